@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,10 +25,19 @@ class ScheduledChunk:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """A step's plan: the chunks to run, and the block copies (src, dst) to do before the forward."""
+    """A step's plan: the chunks to run, and the block copies (src, dst) to do before the forward.
+
+    The runner reads ``chunks`` and ``block_copies`` only. The rest is for the sampler and the
+    scheduler's update: ``requests[i]`` owns ``chunks[i]``; sequence ``sample_requests[j]``
+    samples from logits row ``sample_rows[j]`` (several sequences share a row when n > 1 forks
+    them off one prompt).
+    """
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    requests: list[Any] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    sample_requests: list[Any] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -28,10 +28,11 @@ MAX_N = 64
 class ProtocolError(ValueError):
     """A message (or a parameter inside one) that must be refused; ``param`` names the field."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: int = 400):
         super().__init__(message)
         self.message = message
         self.param = param
+        self.code = code  # the HTTP status it maps to: 400 bad input, 503 overloaded
 
 
 class FinishReason(IntEnum):

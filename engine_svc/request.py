@@ -1,0 +1,104 @@
+"""One sequence the engine is generating: its tokens, progress, blocks and stopping state."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.protocol import FinishReason, SamplingParams, TokenLogprobs
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED = 3
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """Owns its token ids, ``num_computed_tokens``, status, ``block_table`` and block hashes.
+
+    One Request is one sequence: a request with n > 1 becomes n Requests sharing a
+    ``request_id`` and told apart by ``index`` (the OpenAI choice index). ``token_ids`` is the
+    prompt followed by the outputs; positions below ``num_computed_tokens`` have K/V in the
+    blocks of ``block_table``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    index: int = 0
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    status: RequestStatus = RequestStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
+    generator: torch.Generator | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None
+    cumulative_logprob: float = 0.0
+    num_children_pending: int = 0  # n - 1 siblings still to fork when the prompt is done
+    num_deltas_sent: int = 0
+    pending_token_ids: list[int] = field(default_factory=list)  # sampled, not yet reported
+    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.request_id, self.index)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    def append_token(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
+        self.token_ids.append(token_id)
+        self.pending_token_ids.append(token_id)
+        if logprobs is not None:
+            self.pending_logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs.logprob
+
+    def finish(self, reason: FinishReason, stop_reason: int | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+
+def make_generator(seed: int | None, index: int, device: str | torch.device = "cpu") -> torch.Generator | None:
+    """Child ``index`` of a seeded request draws as a lone request seeded ``seed + index`` would."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed + index) & 0xFFFF_FFFF_FFFF_FFFF)
+    return generator

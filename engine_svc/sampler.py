@@ -1,0 +1,165 @@
+"""Logits -> tokens: logit_bias/min_tokens -> penalties -> temperature -> min_p -> top-k/top-p -> sample."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine_svc.request import Request
+from engine_svc.scheduler import SampledTokens
+from engine_svc.scheduler_output import SchedulerOutput
+from shared.protocol import TokenLogprobs
+
+
+class Sampler:
+    """A function of (logits, the sampled sequences' params and histories) -> tokens.
+
+    Logprobs come from the raw logits, before any processing. A seeded sequence draws its noise
+    only from its own generator, so its tokens do not depend on the batch around it. Sorting
+    happens only for rows that ask for top-p.
+    """
+
+    def __init__(self, eos_token_ids: Sequence[int] = ()):
+        self.eos_token_ids = list(eos_token_ids)
+
+    def __call__(self, logits: torch.Tensor, plan: SchedulerOutput) -> SampledTokens:
+        requests: list[Request] = plan.sample_requests
+        if not requests:
+            return SampledTokens([], [])
+        rows = plan.sample_rows
+        if rows[-1] != len(rows) - 1:  # some rows feed several sequences (n > 1 forks)
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        raw = logits
+        logits = self._process(logits, requests)
+        token_ids = self._sample(logits, requests)
+        return SampledTokens(token_ids.tolist(), self._logprobs(raw, token_ids, requests))
+
+    # ------------------------------------------------------------------ processors
+    def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        biased = [i for i, r in enumerate(requests) if r.params.logit_bias]
+        blocked = [i for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
+        penalized = [i for i, r in enumerate(requests) if _has_penalty(r)]
+        if not (biased or blocked or penalized):
+            return logits
+        logits = logits.clone()
+        for i in biased:
+            bias = requests[i].params.logit_bias
+            ids = torch.tensor(list(bias.keys()), device=logits.device)
+            logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+        for i in blocked:
+            params = requests[i].params
+            ids = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
+            if ids:
+                logits[i, torch.tensor(ids, device=logits.device)] = float("-inf")
+        if penalized:
+            self._apply_penalties(logits, [requests[i] for i in penalized], penalized)
+        return logits
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
+        device, vocab = logits.device, logits.shape[1]
+        sub = logits[rows]
+        counts = torch.zeros_like(sub)
+        seen = torch.zeros(sub.shape, dtype=torch.bool, device=device)
+        for j, request in enumerate(requests):
+            outputs = request.output_token_ids
+            if outputs:
+                ids = torch.tensor(outputs, device=device)
+                counts[j].index_add_(0, ids, torch.ones(len(outputs), dtype=sub.dtype, device=device))
+            seen[j, torch.tensor(request.token_ids, device=device).clamp_(0, vocab - 1)] = True
+        rep = torch.tensor([r.params.repetition_penalty for r in requests], device=device).unsqueeze(1)
+        freq = torch.tensor([r.params.frequency_penalty for r in requests], device=device).unsqueeze(1)
+        pres = torch.tensor([r.params.presence_penalty for r in requests], device=device).unsqueeze(1)
+        # repetition penalty over prompt and output (as HF and vLLM); the others over outputs only
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
+        logits[rows] = sub
+
+    # ------------------------------------------------------------------ sampling
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        greedy = torch.tensor([r.params.is_greedy for r in requests], device=logits.device)
+        argmax = logits.argmax(dim=-1)
+        if bool(greedy.all()):
+            return argmax
+        temps = torch.tensor([1.0 if r.params.is_greedy else r.params.temperature for r in requests],
+                             dtype=logits.dtype, device=logits.device)
+        logits = logits / temps.unsqueeze(1)
+        logits = _min_p(logits, requests)
+        logits = _top_k_top_p(logits, requests)
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        for i, request in enumerate(requests):
+            if request.generator is not None:
+                noise[i].exponential_(generator=request.generator)
+        sampled = (probs / noise).argmax(dim=-1)  # the exponential race: one draw from probs
+        return torch.where(greedy, argmax, sampled)
+
+    # ------------------------------------------------------------------ logprobs
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
+                  requests: list[Request]) -> list[TokenLogprobs | None]:
+        wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        out: list[TokenLogprobs | None] = [None] * len(requests)
+        if not wanted:
+            return out
+        index = torch.tensor(wanted, device=raw.device)
+        logprobs = torch.log_softmax(raw[index].float(), dim=-1)
+        chosen = token_ids[index]
+        chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+        ranks = (logprobs > chosen_lp.unsqueeze(1)).sum(dim=1) + 1
+        max_n = max(requests[i].params.logprobs for i in wanted)
+        top_lp, top_ids = logprobs.topk(max_n, dim=-1) if max_n else (None, None)
+        chosen_l, chosen_lp_l, ranks_l = chosen.tolist(), chosen_lp.tolist(), ranks.tolist()
+        top_ids_l = top_ids.tolist() if top_ids is not None else None
+        top_lp_l = top_lp.tolist() if top_lp is not None else None
+        for j, i in enumerate(wanted):
+            n = requests[i].params.logprobs
+            out[i] = TokenLogprobs(
+                token_id=chosen_l[j], logprob=chosen_lp_l[j], rank=ranks_l[j],
+                top_ids=tuple(top_ids_l[j][:n]) if n else (),
+                top_logprobs=tuple(top_lp_l[j][:n]) if n else ())
+        return out
+
+
+def _has_penalty(request: Request) -> bool:
+    p = request.params
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _min_p(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    rows = [i for i, r in enumerate(requests) if r.params.min_p > 0.0 and not r.params.is_greedy]
+    if not rows:
+        return logits
+    min_p = torch.zeros(len(requests), dtype=logits.dtype, device=logits.device)
+    min_p[rows] = torch.tensor([requests[i].params.min_p for i in rows], dtype=logits.dtype, device=logits.device)
+    probs = logits.softmax(dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _top_k_top_p(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    top_k = [min(r.params.top_k, vocab) if r.params.top_k and r.params.top_k > 0 else vocab for r in requests]
+    top_p = [r.params.top_p for r in requests]
+    limited = [i for i, k in enumerate(top_k) if k < vocab]
+    if limited:
+        index = torch.tensor(limited, device=logits.device)
+        ks = torch.tensor([top_k[i] for i in limited], device=logits.device)
+        sub = logits[index]
+        kth = sub.topk(int(ks.max())).values.gather(1, (ks - 1).unsqueeze(1))
+        logits = logits.clone()
+        logits[index] = sub.masked_fill(sub < kth, float("-inf"))
+    rows = [i for i, p in enumerate(top_p) if p < 1.0]
+    if rows:
+        index = torch.tensor(rows, device=logits.device)
+        sub = logits[index]
+        sorted_logits, order = sub.sort(dim=-1, descending=False)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        p = torch.tensor([top_p[i] for i in rows], dtype=logits.dtype, device=logits.device).unsqueeze(1)
+        drop = cum <= 1.0 - p
+        drop[:, -1] = False  # always keep the most likely token
+        sub = sub.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        logits = logits.clone()
+        logits[index] = sub
+    return logits

@@ -1,0 +1,219 @@
+"""Continuous batching: which sequences run this step, and how many tokens each computes."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine_svc.block_manager import BlockManager
+from engine_svc.config import EngineConfig
+from engine_svc.request import Request, RequestStatus, make_generator
+from engine_svc.scheduler_output import ScheduledChunk, SchedulerOutput
+from shared.protocol import FinishReason, TokenDelta, TokenLogprobs
+
+
+@dataclass(frozen=True, slots=True)
+class SampledTokens:
+    """The sampler's answer: one token (and its logprobs when asked) per sampled sequence."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Scheduler:
+    """Decides; returns a plain SchedulerOutput and never touches tensors.
+
+    FCFS over a waiting queue and a running list. Running sequences are served first (decode
+    and unfinished prompt chunks); waiting ones are admitted while the token budget, the
+    sequence cap and the free blocks allow. When blocks run out, the newest running sequence is
+    preempted by recompute: its blocks are freed and it waits at the head of the queue.
+    """
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
+                 eos_token_ids: Iterable[int] = ()):
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, list[Request]] = {}
+        self.num_preemptions = 0
+        self.generator_device = "cpu"  # where seeded sequences' torch.Generators live
+        self._aborted: list[TokenDelta] = []
+
+    # ------------------------------------------------------------------ queue
+    def add(self, request: Request) -> None:
+        request.num_children_pending = request.params.n - 1
+        self.waiting.append(request)
+        self.requests[request.request_id] = [request]
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Free the sequences now; their final ABORT deltas leave with the next step."""
+        for request_id in request_ids:
+            for request in self.requests.pop(request_id, ()):
+                if request.is_finished:
+                    continue
+                if request.status == RequestStatus.RUNNING:
+                    self.running.remove(request)
+                else:
+                    self.waiting.remove(request)
+                self.block_manager.free(request)
+                request.finish(FinishReason.ABORT)
+                self._aborted.append(self._delta(request))
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._aborted)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        plan = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget, preempted = self._schedule_running(plan, budget)
+        if not preempted:
+            self._schedule_waiting(plan, budget)
+        return plan
+
+    def _schedule_running(self, plan: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        forked: list[Request] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(request, num_new, copies=plan.block_copies):
+                victim = self.running.pop()  # the newest; never one already scheduled this step
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    return budget, preempted
+            forked += self._add_chunk(plan, request, num_new)
+            budget -= num_new
+            i += 1
+        self.running += forked
+        return budget, preempted
+
+    def _schedule_waiting(self, plan: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        forked: list[Request] = []
+        while self.waiting and budget > 0:
+            request = self.waiting[0]
+            if len(self.running) + len(forked) + request.num_children_pending + 1 > self.config.max_num_seqs:
+                break
+            hits = bm.match_prefix(request)
+            num_new = request.num_tokens - len(hits) * bm.block_size
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not bm.allocate_slots(request, num_new, hits):
+                break
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING:  # first admission, not a resumed preemption
+                request.num_cached_tokens = len(hits) * bm.block_size
+                bm.num_cache_queries += request.num_tokens
+                bm.num_cache_hits += request.num_cached_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            forked += self._add_chunk(plan, request, num_new)
+            budget -= num_new
+        self.running += forked
+
+    def _add_chunk(self, plan: SchedulerOutput, request: Request, num_new: int) -> list[Request]:
+        start = request.num_computed_tokens
+        end = start + num_new
+        sample = end == request.num_tokens
+        plan.chunks.append(ScheduledChunk(request.request_id, request.token_ids[start:end], start,
+                                          request.block_table, sample))
+        plan.requests.append(request)
+        if not sample:
+            return []
+        row = plan.sample_rows[-1] + 1 if plan.sample_rows else 0
+        family = [request] + self._fork_children(request, end)
+        for member in family:
+            plan.sample_rows.append(row)
+            plan.sample_requests.append(member)
+        return family[1:]
+
+    def _fork_children(self, parent: Request, num_computed: int) -> list[Request]:
+        """n > 1: the prompt was computed once; the other n - 1 sequences share its blocks."""
+        children = []
+        for index in range(parent.params.n - parent.num_children_pending, parent.params.n):
+            child = Request(parent.request_id, parent.prompt_token_ids, parent.params, index=index,
+                            cache_salt=parent.cache_salt, arrival_time=parent.arrival_time,
+                            token_ids=list(parent.token_ids), num_cached_tokens=parent.num_cached_tokens,
+                            status=RequestStatus.RUNNING,
+                            generator=make_generator(parent.params.seed, index, self.generator_device))
+            self.block_manager.fork(parent, child)
+            child.num_computed_tokens = num_computed
+            self.requests[parent.request_id].append(child)
+            children.append(child)
+        parent.num_children_pending = 0
+        return children
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    # ------------------------------------------------------------------ update
+    def update(self, plan: SchedulerOutput, sampled: SampledTokens) -> list[TokenDelta]:
+        """Advance the sequences by what the step computed and sampled; report new tokens."""
+        for request, chunk in zip(plan.requests, plan.chunks):
+            request.num_computed_tokens += len(chunk.token_ids)
+        deltas, self._aborted = self._aborted, []
+        any_finished = False
+        for request, token_id, logprobs in zip(plan.sample_requests, sampled.token_ids, sampled.logprobs):
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.append_token(token_id, logprobs)
+            self._check_stop(request, token_id)
+            deltas.append(self._delta(request))
+            if request.is_finished:
+                any_finished = True
+                self.block_manager.free(request)
+                self._forget(request)
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return deltas
+
+    def take_aborted(self) -> list[TokenDelta]:
+        deltas, self._aborted = self._aborted, []
+        return deltas
+
+    def _check_stop(self, request: Request, token_id: int) -> None:
+        params = request.params
+        num_output = request.num_output_tokens
+        if num_output >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                return request.finish(FinishReason.STOP, stop_reason=token_id)
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return request.finish(FinishReason.STOP)
+        if params.max_tokens is not None and num_output >= params.max_tokens:
+            return request.finish(FinishReason.LENGTH)
+        if request.num_tokens >= self.max_model_len:
+            return request.finish(FinishReason.LENGTH)
+
+    def _delta(self, request: Request) -> TokenDelta:
+        wants_logprobs = request.params.logprobs is not None
+        delta = TokenDelta(
+            request_id=request.request_id, seq=request.num_deltas_sent, index=request.index,
+            new_token_ids=tuple(request.pending_token_ids),
+            logprobs=tuple(request.pending_logprobs) if wants_logprobs else None,
+            cumulative_logprob=request.cumulative_logprob if wants_logprobs else None,
+            finish_reason=int(request.finish_reason) if request.finish_reason else None,
+            stop_reason=request.stop_reason, engine_id=self.config.engine_id,
+            num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens,
+            num_choices=request.params.n)
+        request.num_deltas_sent += 1
+        request.pending_token_ids = []
+        request.pending_logprobs = []
+        return delta
+
+    def _forget(self, request: Request) -> None:
+        family = self.requests.get(request.request_id)
+        if family is not None and all(r.is_finished for r in family) and not any(
+                r.num_children_pending for r in family):
+            del self.requests[request.request_id]
