@@ -102,8 +102,6 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ProtocolError("sampling params missing")
         params.validate(self.vocab_size)
-        if params.use_beam_search:
-            raise ProtocolError("beam search is not supported by this engine yet", "use_beam_search")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ProtocolError(f"logprobs is limited to {self.config.max_logprobs}", "logprobs")
         if request_id in self.scheduler.requests:

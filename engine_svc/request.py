@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -46,6 +47,7 @@ class Request:
     stop_reason: int | None = None
     cumulative_logprob: float = 0.0
     num_children_pending: int = 0  # n - 1 siblings still to fork when the prompt is done
+    beam: Any = None  # the BeamGroup this sequence is a beam of (use_beam_search)
     num_deltas_sent: int = 0
     pending_token_ids: list[int] = field(default_factory=list)  # sampled, not yet reported
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)

@@ -33,7 +33,17 @@ class Sampler:
         raw = logits
         logits = self._process(logits, requests)
         token_ids = self._sample(logits, requests)
-        return SampledTokens(token_ids.tolist(), self._logprobs(raw, token_ids, requests))
+        return SampledTokens(token_ids.tolist(), self._logprobs(raw, token_ids, requests),
+                             self._beam_rows(raw, requests))
+
+    @staticmethod
+    def _beam_rows(raw: torch.Tensor, requests: list[Request]) -> dict[int, torch.Tensor]:
+        """Beam search chooses tokens itself, from the raw log_softmax of each beam."""
+        beams = [i for i, r in enumerate(requests) if r.beam is not None]
+        if not beams:
+            return {}
+        rows = torch.log_softmax(raw[torch.tensor(beams, device=raw.device)].float(), dim=-1)
+        return dict(zip(beams, rows.unbind(0)))
 
     # ------------------------------------------------------------------ processors
     def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

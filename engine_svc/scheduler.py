@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
+
+from engine_svc.beam_search import BeamGroup, BeamSearch
 from engine_svc.block_manager import BlockManager
 from engine_svc.config import EngineConfig
 from engine_svc.request import Request, RequestStatus, make_generator
@@ -19,6 +22,7 @@ class SampledTokens:
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    beam_logprobs: dict[int, torch.Tensor] = field(default_factory=dict)  # sample index -> log_softmax row
 
 
 class Scheduler:
@@ -45,7 +49,15 @@ class Scheduler:
 
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> None:
-        request.num_children_pending = request.params.n - 1
+        params = request.params
+        if params.use_beam_search:
+            eos = () if params.ignore_eos else self.eos_token_ids
+            max_new = params.max_tokens or self.max_model_len - request.num_prompt_tokens
+            search = BeamSearch(params.n, request.num_prompt_tokens, max_new, eos, params.length_penalty,
+                                params.early_stopping)
+            request.beam = BeamGroup(search, [request], {})
+        else:
+            request.num_children_pending = params.n - 1
         self.waiting.append(request)
         self.requests[request.request_id] = [request]
 
@@ -82,6 +94,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:  # a beam waiting for its siblings
+                i += 1
+                continue
             while not self.block_manager.allocate_slots(request, num_new, copies=plan.block_copies):
                 victim = self.running.pop()  # the newest; never one already scheduled this step
                 self._preempt(victim)
@@ -99,7 +114,8 @@ class Scheduler:
         forked: list[Request] = []
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            if len(self.running) + len(forked) + request.num_children_pending + 1 > self.config.max_num_seqs:
+            num_seqs = request.params.n if request.status == RequestStatus.WAITING else 1
+            if len(self.running) + len(forked) + num_seqs > self.config.max_num_seqs:
                 break
             hits = bm.match_prefix(request)
             num_new = request.num_tokens - len(hits) * bm.block_size
@@ -165,8 +181,15 @@ class Scheduler:
             request.num_computed_tokens += len(chunk.token_ids)
         deltas, self._aborted = self._aborted, []
         any_finished = False
-        for request, token_id, logprobs in zip(plan.sample_requests, sampled.token_ids, sampled.logprobs):
+        groups: list[BeamGroup] = []
+        for i, (request, token_id, logprobs) in enumerate(
+                zip(plan.sample_requests, sampled.token_ids, sampled.logprobs)):
             if request.is_finished:  # aborted while the step ran
+                continue
+            if request.beam is not None:
+                request.beam.rows[request] = sampled.beam_logprobs[i]
+                if request.beam not in groups:
+                    groups.append(request.beam)
                 continue
             request.append_token(token_id, logprobs)
             self._check_stop(request, token_id)
@@ -175,9 +198,53 @@ class Scheduler:
                 any_finished = True
                 self.block_manager.free(request)
                 self._forget(request)
+        for group in groups:
+            if group.is_ready():
+                deltas += self._advance_beams(group)
+                any_finished = True
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return deltas
+
+    def _advance_beams(self, group: BeamGroup) -> list[TokenDelta]:
+        """One beam-search step: fork the chosen parents (sharing all their blocks), drop the rest."""
+        old = group.beams
+        moves = group.search.step(torch.stack([group.rows[beam] for beam in old]))
+        group.beams = [] if group.search.done else [self._fork_beam(old[p], token, slot)
+                                                     for slot, (p, token) in enumerate(moves)]
+        group.rows = {}
+        for beam in old:
+            self.block_manager.free(beam)
+            if beam.status != RequestStatus.RUNNING:
+                self.waiting.remove(beam)
+            beam.status = RequestStatus.FINISHED
+        first = old[0]
+        if not group.search.done:
+            self.requests[first.request_id] = group.beams
+            return []
+        del self.requests[first.request_id]
+        best = group.search.best(first.params.n)
+        return [TokenDelta(request_id=first.request_id, seq=0, index=i, new_token_ids=tuple(h.token_ids),
+                           cumulative_logprob=h.cumulative_logprob,
+                           finish_reason=int(FinishReason.STOP if h.ends_with_eos else FinishReason.LENGTH),
+                           engine_id=self.config.engine_id, num_prompt_tokens=first.num_prompt_tokens,
+                           num_cached_tokens=first.num_cached_tokens, num_choices=len(best))
+                for i, h in enumerate(best)]
+
+    def _fork_beam(self, parent: Request, token_id: int, slot: int) -> Request:
+        child = Request(parent.request_id, parent.prompt_token_ids, parent.params, index=slot,
+                        cache_salt=parent.cache_salt, arrival_time=parent.arrival_time,
+                        token_ids=parent.token_ids + [token_id], num_cached_tokens=parent.num_cached_tokens,
+                        beam=parent.beam)
+        if parent.block_table:
+            self.block_manager.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        else:  # the parent was preempted: the child recomputes
+            child.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(child)
+        return child
 
     def take_aborted(self) -> list[TokenDelta]:
         deltas, self._aborted = self._aborted, []
