@@ -170,6 +170,7 @@ def _collect(out: CompletionOutput, delta: TokenDelta) -> None:
     out.token_ids.extend(delta.new_token_ids)
     if delta.logprobs is not None:
         out.logprobs = (out.logprobs or []) + list(delta.logprobs)
+    if delta.cumulative_logprob is not None:
         out.cumulative_logprob = delta.cumulative_logprob
     if delta.finish_reason is not None:
         out.finish_reason = FinishReason(delta.finish_reason).openai

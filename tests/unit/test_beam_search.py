@@ -27,7 +27,7 @@ def assert_same_beams(hf, ours):
         # HF pads finished beams with a fill token after their end
         assert hf_tokens[:len(tokens)] == tokens, (hf_tokens, tokens)
         assert len(set(hf_tokens[len(tokens):])) <= 1
-        assert abs(hf_score - score) < 1e-4
+        assert abs(hf_score - score) < 1e-4 + 2e-6 * abs(hf_score)  # float32 sums of ~20 logprobs
 
 
 def test_selection_rule_matches_hf_with_eos_on_a_small_vocab():
