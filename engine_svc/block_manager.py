@@ -120,6 +120,8 @@ class BlockManager:
     def update_hashes(self, request: Request) -> None:
         """Extend ``request.block_hashes`` to cover every full block of its known tokens."""
         bs = self.block_size
+        if (len(request.block_hashes) + 1) * bs > request.num_tokens:
+            return
         extra = request.cache_salt.encode() if request.cache_salt else b""
         while (len(request.block_hashes) + 1) * bs <= request.num_tokens:
             i = len(request.block_hashes)
@@ -152,6 +154,11 @@ class BlockManager:
         """Give ``request`` the blocks to write ``num_new_tokens`` more tokens (after taking the
         prefix-cache ``hits``), copying a shared block it must write into. False, with nothing
         changed, when the free blocks do not suffice."""
+        if not hits and self._fits_in_place(request, num_new_tokens):  # the common decode step
+            end = request.num_computed_tokens + num_new_tokens
+            if self.enable_prefix_caching and end // self.block_size > request.num_registered_blocks:
+                self._cache_full_blocks(request, end)
+            return True
         hits = hits or []
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         num_needed = self.blocks_needed(num_computed + num_new_tokens) - len(request.block_table) - len(hits)
@@ -205,6 +212,13 @@ class BlockManager:
         self.cached.clear()
 
     # ------------------------------------------------------------------ internals
+    def _fits_in_place(self, request: Request, num_new_tokens: int) -> bool:
+        """The tokens land in blocks the request already owns alone."""
+        start = request.num_computed_tokens
+        if start + num_new_tokens > len(request.block_table) * self.block_size:
+            return False
+        return start % self.block_size == 0 or self.blocks[request.block_table[start // self.block_size]].ref_count == 1
+
     def _cow_index(self, request: Request, num_computed: int) -> int | None:
         """Index of the partly filled block the next write lands in, when others share it."""
         if num_computed % self.block_size == 0:

@@ -146,11 +146,14 @@ class Scheduler:
         if not sample:
             return []
         row = plan.sample_rows[-1] + 1 if plan.sample_rows else 0
-        family = [request] + self._fork_children(request, end)
-        for member in family:
-            plan.sample_rows.append(row)
-            plan.sample_requests.append(member)
-        return family[1:]
+        plan.sample_rows.append(row)
+        plan.sample_requests.append(request)
+        if not request.num_children_pending:
+            return []
+        children = self._fork_children(request, end)
+        plan.sample_rows += [row] * len(children)
+        plan.sample_requests += children
+        return children
 
     def _fork_children(self, parent: Request, num_computed: int) -> list[Request]:
         """n > 1: the prompt was computed once; the other n - 1 sequences share its blocks."""
