@@ -20,8 +20,13 @@ class Sampler:
     happens only for rows that ask for top-p.
     """
 
-    def __init__(self, eos_token_ids: Sequence[int] = ()):
+    def __init__(self, eos_token_ids: Sequence[int] = (), use_flashinfer: bool | None = None):
         self.eos_token_ids = list(eos_token_ids)
+        if use_flashinfer is None:
+            from engine_svc import flashinfer_sampler
+
+            use_flashinfer = flashinfer_sampler.is_available()
+        self.use_flashinfer = use_flashinfer
 
     def __call__(self, logits: torch.Tensor, plan: SchedulerOutput) -> SampledTokens:
         requests: list[Request] = plan.sample_requests
@@ -92,6 +97,8 @@ class Sampler:
         argmax = logits.argmax(dim=-1)
         if bool(greedy.all()):
             return argmax
+        if self.use_flashinfer and logits.is_cuda and all(r.generator is None for r in requests):
+            return self._sample_flashinfer(logits, requests)
         temps = torch.tensor([1.0 if r.params.is_greedy else r.params.temperature for r in requests],
                              dtype=logits.dtype, device=logits.device)
         logits = logits / temps.unsqueeze(1)
@@ -104,6 +111,21 @@ class Sampler:
                 noise[i].exponential_(generator=request.generator)
         sampled = (probs / noise).argmax(dim=-1)  # the exponential race: one draw from probs
         return torch.where(greedy, argmax, sampled)
+
+    @staticmethod
+    def _sample_flashinfer(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """FlashInfer's sorting-free kernels draw the whole batch from one generator, so only
+        batches without per-request seeds come here (seeded ones keep the torch path)."""
+        from engine_svc.flashinfer_sampler import flashinfer_sample
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=logits.device)
+
+        return flashinfer_sample(
+            logits, column([0.0 if r.params.is_greedy else r.params.temperature for r in requests], torch.float32),
+            column([r.params.top_k or 0 for r in requests], torch.int32),
+            column([r.params.top_p for r in requests], torch.float32),
+            column([r.params.min_p for r in requests], torch.float32))
 
     # ------------------------------------------------------------------ logprobs
     @staticmethod
