@@ -1,0 +1,182 @@
+"""Per-request detokenization state: TokenDelta in, RequestOutput (and Abort on a stop string) out.
+
+Pure logic over a tokenizer; ``service.py`` feeds it stream entries. Each request keeps the
+ids of the entries that carried its deltas, so the service acks them only once the request
+has finished: a restarted shard replays them and rebuilds the same outputs with the same
+``seq`` (the gateway drops what it already has). Deltas are idempotent on (request_id, index, seq).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from detok_svc.incremental import IncrementalDetokenizer, TokenStrings
+from detok_svc.stop import StopChecker
+from shared.protocol import (Abort, DetokParams, ErrorInfo, FinishReason, Message, RequestOutput, StreamNames, TextLogprobs,
+                             TokenDelta, TokenLogprobs, Usage)
+
+MAX_FINISHED_IDS = 100_000
+
+
+class _Choice:
+    """One sequence (choice ``index``) of a request: its detokenizer, stop checker and what was sent."""
+
+    def __init__(self, tokenizer, params: DetokParams):
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.stop = StopChecker(params.stop, params.include_stop_str_in_output)
+        self.text = ""  # decoded output text, after any stop-string cut
+        self.num_sent = 0  # characters of text already sent
+        self.last_seq = -1
+        self.num_tokens = 0
+        self.finish_reason: int | None = None
+        self.stopped_here = False  # ended by a stop string: the engine may still be generating it
+        self.held_ids: list[int] = []
+        self.held_logprobs: list[TextLogprobs] = []
+
+
+@dataclass(slots=True)
+class _Request:
+    reply_to: str
+    params: DetokParams
+    num_choices: int
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    choices: dict[int, _Choice] = field(default_factory=dict)
+    entry_ids: list[str] = field(default_factory=list)
+    last_seen: float = field(default_factory=time.monotonic)
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.choices) == self.num_choices and all(
+            c.finish_reason is not None for c in self.choices.values())
+
+
+class DetokProcessor:
+    """Owns the state of every request in flight on one shard, dropped as soon as it finishes."""
+
+    def __init__(self, tokenizer, names: StreamNames):
+        self.tokenizer = tokenizer
+        self.strings = TokenStrings(tokenizer)
+        self.names = names
+        self.requests: dict[str, _Request] = {}
+        self.finished: OrderedDict[str, None] = OrderedDict()  # recently finished ids: late deltas are dropped
+
+    def process(self, entry_id: str, delta: TokenDelta) -> tuple[list[tuple[str, Message]], list[str]]:
+        """(messages to send, entry ids that may be acked now) for one delta."""
+        request = self._request_for(delta)
+        if request is None:
+            return [], [entry_id]
+        request.entry_ids.append(entry_id)
+        request.last_seen = time.monotonic()
+        out = self._apply(request, delta)
+        if not request.is_finished:
+            return out, []
+        del self.requests[delta.request_id]
+        self._remember_finished(delta.request_id)
+        if any(c.stopped_here for c in request.choices.values()):
+            out.append((self.names.engine_ctl, Abort(request_ids=(delta.request_id,), reason="stop")))
+        return out, request.entry_ids
+
+    def fail(self, entry_id: str, request_id: str, exc: Exception) -> tuple[list[tuple[str, Message]], list[str]]:
+        """Drop a request whose delta could not be processed: its gateway gets a 500, the engine an
+        Abort (which frees its blocks), and all its entries may be acked."""
+        request = self.requests.pop(request_id, None)
+        self._remember_finished(request_id)
+        out: list[tuple[str, Message]] = [(self.names.engine_ctl, Abort(request_ids=(request_id,), reason="error"))]
+        if request is None:
+            return out, [entry_id]
+        error = ErrorInfo(message=f"detokenizer error: {type(exc).__name__}", type="InternalServerError", code=500)
+        out.append((request.reply_to, RequestOutput(request_id=request_id, finish_reason=FinishReason.ERROR,
+                                                    error=error, num_choices=request.num_choices)))
+        return out, [*request.entry_ids, entry_id]
+
+    def expire(self, max_idle_s: float) -> tuple[list[tuple[str, Message]], list[str]]:
+        """Give up on requests that got no delta for ``max_idle_s`` (their engine died): each
+        gateway gets a 503, and the entries are released."""
+        now = time.monotonic()
+        out: list[tuple[str, Message]] = []
+        acks: list[str] = []
+        for request_id in [r for r, q in self.requests.items() if now - q.last_seen > max_idle_s]:
+            request = self.requests.pop(request_id)
+            self._remember_finished(request_id)
+            error = ErrorInfo(message="the engine stopped answering for this request", type="ServiceUnavailableError",
+                              code=503)
+            out.append((request.reply_to, RequestOutput(request_id=request_id, finish_reason=FinishReason.ERROR,
+                                                        error=error, num_choices=request.num_choices)))
+            acks += request.entry_ids
+        return out, acks
+
+    def _request_for(self, delta: TokenDelta) -> _Request | None:
+        request = self.requests.get(delta.request_id)
+        if request is None and delta.reply_to is not None and delta.request_id not in self.finished:
+            request = _Request(delta.reply_to, delta.detok or DetokParams(), max(1, delta.num_choices))
+            self.requests[delta.request_id] = request
+        return request  # None: a late delta of a finished request (or one that never announced itself)
+
+    def _remember_finished(self, request_id: str) -> None:
+        self.finished[request_id] = None
+        if len(self.finished) > MAX_FINISHED_IDS:
+            self.finished.popitem(last=False)
+
+    def _apply(self, request: _Request, delta: TokenDelta) -> list[tuple[str, Message]]:
+        choice = request.choices.get(delta.index)
+        if choice is None:
+            if not 0 <= delta.index < request.num_choices:
+                return []
+            choice = request.choices[delta.index] = _Choice(self.tokenizer, request.params)
+        if delta.seq <= choice.last_seq or choice.finish_reason is not None:
+            return []  # a duplicate, or tokens of a choice a stop string already ended
+        choice.last_seq = delta.seq
+        request.num_prompt_tokens = max(request.num_prompt_tokens, delta.num_prompt_tokens)
+        request.num_cached_tokens = max(request.num_cached_tokens, delta.num_cached_tokens)
+        if delta.error is not None:  # the engine gave up on the whole request
+            for index in range(request.num_choices):
+                request.choices.setdefault(index, _Choice(self.tokenizer, request.params))
+                request.choices[index].finish_reason = FinishReason.ERROR
+            return [(request.reply_to, RequestOutput(request_id=delta.request_id, seq=delta.seq, index=delta.index,
+                                                     finish_reason=FinishReason.ERROR, error=delta.error,
+                                                     num_choices=request.num_choices))]
+        return self._advance(request, choice, delta)
+
+    def _advance(self, request: _Request, choice: _Choice, delta: TokenDelta) -> list[tuple[str, Message]]:
+        choice.num_tokens += len(delta.new_token_ids)
+        choice.held_ids += delta.new_token_ids
+        if request.params.logprobs and delta.logprobs:
+            choice.held_logprobs += [self._text_logprobs(lp) for lp in delta.logprobs]
+        new_text = choice.detok.push(delta.new_token_ids)
+        if delta.finish_reason is not None:
+            new_text += choice.detok.finish()
+        choice.text += new_text
+        stop_reason: str | int | None = delta.stop_reason
+        finish_reason = delta.finish_reason
+        match = choice.stop.check(choice.text, len(new_text))
+        if match is not None:
+            choice.text = choice.text[:match.end]
+            stop_reason, finish_reason = match.stop, FinishReason.STOP
+            choice.stopped_here = delta.finish_reason is None
+        end = len(choice.text) if finish_reason is not None else choice.stop.releasable(choice.text, choice.num_sent)
+        text_delta = choice.text[choice.num_sent:end]
+        if not text_delta and finish_reason is None:
+            return []  # held back: its tokens leave with the next text
+        choice.num_sent = max(choice.num_sent, end)
+        choice.finish_reason = finish_reason
+        output = RequestOutput(
+            request_id=delta.request_id, seq=delta.seq, index=delta.index, text_delta=text_delta,
+            token_ids=tuple(choice.held_ids), logprobs=tuple(choice.held_logprobs) if request.params.logprobs else None,
+            finish_reason=finish_reason, stop_reason=stop_reason if finish_reason is not None else None,
+            num_choices=request.num_choices, usage=self._usage(request) if request.is_finished else None)
+        choice.held_ids, choice.held_logprobs = [], []
+        return [(request.reply_to, output)]
+
+    def _usage(self, request: _Request) -> Usage:
+        return Usage(prompt_tokens=request.num_prompt_tokens,
+                     completion_tokens=sum(c.num_tokens for c in request.choices.values()),
+                     cached_tokens=request.num_cached_tokens)
+
+    def _text_logprobs(self, lp: TokenLogprobs) -> TextLogprobs:
+        return TextLogprobs(token=self.strings.text(lp.token_id), token_id=lp.token_id, logprob=lp.logprob,
+                            bytes=self.strings.bytes(lp.token_id),
+                            top_tokens=tuple(self.strings.text(t) for t in lp.top_ids),
+                            top_logprobs=lp.top_logprobs)

@@ -1,0 +1,98 @@
+"""One detok shard's loop: read ps:detok:in:{shard}, detokenize, reply to gateways, ack finished requests."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+
+from detok_svc.processor import DetokProcessor
+from shared.config import DetokConfig
+from shared.protocol import TokenDelta
+from shared.heartbeat import HeartbeatWriter
+from shared.streams import GroupReader, Producer, connect
+
+log = logging.getLogger(__name__)
+GROUP_DETOK = "detok"
+
+
+def load_tokenizer(model: str | None):
+    import os
+
+    from transformers import AutoTokenizer
+
+    if model is None or not os.path.isdir(model):
+        from shared.models import resolve_model  # the default model, converted once
+
+        model = str(resolve_model(model))
+    return AutoTokenizer.from_pretrained(model)
+
+
+class DetokService:
+    """Owns shard ``k``: the only consumer of its stream (a group of one, so a restart resumes
+    from its pending entries) and the DetokProcessor holding the shard's requests."""
+
+    def __init__(self, config: DetokConfig, processor: DetokProcessor, client=None):
+        self.config = config
+        self.client = client or connect(config.bus.redis_url)
+        names = config.bus.names
+        self.to_gateway = Producer(self.client, config.bus.maxlen)  # and Aborts to the engines
+        self.from_engine = GroupReader(self.client, names.detok_in(config.shard), GROUP_DETOK,
+                                       f"shard-{config.shard}", claim_idle_ms=None, dlq=names.dlq,
+                                       producer=self.to_gateway, accept=(TokenDelta,))
+        self.heartbeat = HeartbeatWriter(self.client, names.heartbeat, "detok", config.service_id,
+                                         config.heartbeat_s)
+        self.processor = processor
+        self.stopping = threading.Event()
+        self.num_outputs = 0
+        self._next_expiry = 0.0
+
+    @classmethod
+    def from_config(cls, config: DetokConfig) -> DetokService:
+        return cls(config, DetokProcessor(load_tokenizer(config.model), config.bus.names))
+
+    def run(self) -> None:
+        self.from_engine.ensure_group()
+        log.info("detok shard %d/%d reading %s", self.config.shard, self.config.num_shards, self.from_engine.stream)
+        try:
+            while not self.stopping.is_set():
+                self.run_once(self.config.block_ms)
+        finally:
+            self.heartbeat.remove()
+
+    def run_once(self, block_ms: int | None) -> int:
+        envelopes = self.from_engine.read(count=self.config.batch_size, block_ms=block_ms)
+        outgoing, done = [], []
+        for env in envelopes:
+            try:
+                messages, ackable = self.processor.process(env.id, env.msg)
+            except Exception as exc:  # never crash-loop on one bad delta: fail its request instead
+                log.exception("delta %s of %s failed", env.id, env.msg.request_id)
+                messages, ackable = self.processor.fail(env.id, env.msg.request_id, exc)
+            outgoing += messages
+            done += ackable
+        if time.monotonic() >= self._next_expiry:
+            self._next_expiry = time.monotonic() + 10.0
+            expired, released = self.processor.expire(self.config.request_idle_timeout_s)
+            outgoing += expired
+            done += released
+        self.to_gateway.send_many(outgoing)
+        self.from_engine.ack(done)  # only entries of finished requests: the rest replay after a crash
+        self.num_outputs += len(outgoing)
+        self.heartbeat.beat(self.stats())
+        return len(envelopes)
+
+    def stats(self) -> dict[str, float]:
+        return {"num_requests": len(self.processor.requests), "num_outputs": self.num_outputs,
+                "shard": self.config.shard}
+
+    def stop(self, *_args) -> None:
+        self.stopping.set()
+
+
+def main(config: DetokConfig) -> None:
+    service = DetokService.from_config(config)
+    signal.signal(signal.SIGTERM, service.stop)
+    signal.signal(signal.SIGINT, service.stop)
+    service.run()

@@ -1,0 +1,1 @@
+"""The tokenizer service: GenerateRequest in (group "tokenizer"), EngineRequest out. Any number of replicas."""

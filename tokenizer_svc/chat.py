@@ -1,0 +1,80 @@
+"""Chat templates: messages -> prompt token ids, where text a user wrote never becomes a special token.
+
+The common case renders the model's template and encodes the text in one go, exactly as
+``apply_chat_template(tokenize=True)`` would. When some message content holds the literal text
+of a special token (``<|im_end|>``, ``</s>``, ...), the template is rendered again with
+placeholders in place of the contents, and the pieces are encoded apart: the template's own
+text with special tokens recognised, each content with them split into plain text. (A
+SentencePiece tokenizer that prepends "▁" may then see a space where a content piece starts: a
+small price in a case that only hostile input reaches.) No Redis here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from shared.protocol import ChatMessage, ProtocolError
+
+_SLOT = re.compile("\ue000(\\d+)\ue001")  # private-use code points: no template emits them
+
+
+class ChatRenderer:
+    """Owns a tokenizer's chat template and the set of its special-token literals."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        literals = set(getattr(tokenizer, "all_special_tokens", ()) or ())
+        for added in getattr(tokenizer, "added_tokens_decoder", {}).values():
+            if getattr(added, "special", False):
+                literals.add(str(added.content))
+        literals.discard("")
+        self._specials = re.compile("|".join(re.escape(t) for t in sorted(literals, key=len, reverse=True))) \
+            if literals else None
+
+    @property
+    def has_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def render_text(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+        if not messages:
+            raise ProtocolError("messages must not be empty", "messages")
+        if not self.has_template:
+            raise ProtocolError("this model has no chat template; use /v1/completions", "messages")
+        try:
+            return self.tokenizer.apply_chat_template(
+                [_as_dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # jinja raises its own errors (raise_exception in templates)
+            raise ProtocolError(f"chat template failed: {exc}", "messages") from None
+
+    def holds_special_text(self, messages: Sequence[ChatMessage]) -> bool:
+        return self._specials is not None and any(self._specials.search(m.content) for m in messages)
+
+    def encode(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        """(rendered text, token ids) for one conversation."""
+        text = self.render_text(messages, add_generation_prompt)
+        if not self.holds_special_text(messages):
+            return text, self.tokenizer.encode(text, add_special_tokens=False)
+        return text, self.encode_guarded(messages, add_generation_prompt)
+
+    def encode_guarded(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        """Render with placeholders, then encode template text and user contents separately."""
+        slots = [ChatMessage(role=m.role, content=f"\ue000{i}\ue001", name=m.name) for i, m in enumerate(messages)]
+        pieces = _SLOT.split(self.render_text(slots, add_generation_prompt))
+        ids: list[int] = []
+        for k, piece in enumerate(pieces):
+            if k % 2 == 0:  # the template's own text
+                if piece:
+                    ids += self.tokenizer.encode(piece, add_special_tokens=False)
+            else:
+                content = messages[int(piece)].content
+                if content:
+                    ids += self.tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True)
+        return ids
+
+
+def _as_dict(message: ChatMessage) -> dict:
+    out = {"role": message.role, "content": message.content}
+    if message.name is not None:
+        out["name"] = message.name
+    return out

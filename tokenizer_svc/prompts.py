@@ -1,0 +1,103 @@
+"""GenerateRequest -> EngineRequest: tokenize, check against the model's limits, or refuse with a 400.
+
+Pure logic over a HF fast tokenizer; the service loop around it is in service.py. A batch of
+text prompts is encoded in one call (the Rust tokenizer spreads it over threads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shared.protocol import (DetokParams, EngineRequest, ErrorInfo, FinishReason, GenerateRequest, Message,
+                             ProtocolError, RequestOutput, StreamNames)
+from tokenizer_svc.chat import ChatRenderer
+
+
+@dataclass(slots=True)
+class _Work:
+    request: GenerateRequest
+    text: str | None = None
+    ids: list[int] | None = None
+    error: ErrorInfo | None = None
+
+
+class PromptEncoder:
+    """Owns the tokenizer and the length limit; turns each request into its outgoing messages."""
+
+    def __init__(self, tokenizer, max_model_len: int, names: StreamNames):
+        self.tokenizer = tokenizer
+        self.chat = ChatRenderer(tokenizer)
+        self.max_model_len = max_model_len
+        self.vocab_size = len(tokenizer)
+        self.names = names
+
+    def encode_batch(self, requests: Sequence[GenerateRequest]) -> list[tuple[str, Message]]:
+        """Every (stream, message) to send, in order: per request the echo (if asked) then the
+        EngineRequest to the engines, or one error RequestOutput to its gateway."""
+        work = [_Work(r) for r in requests]
+        texts = []
+        for w in work:
+            self._prepare(w)
+            if w.error is None and w.ids is None:
+                texts.append(w)
+        if texts:
+            encoded = self.tokenizer([w.text for w in texts], add_special_tokens=True)["input_ids"]
+            for w, ids in zip(texts, encoded):
+                w.ids = list(ids)
+        out: list[tuple[str, Message]] = []
+        for w in work:
+            if w.error is None:
+                self._check(w)
+            out += self._emit(w)
+        return out
+
+    def _prepare(self, w: _Work) -> None:
+        r = w.request
+        try:
+            given = sum(x is not None for x in (r.prompt, r.prompt_token_ids, r.messages))
+            if given != 1:
+                raise ProtocolError("give exactly one of prompt, prompt_token_ids or messages", "prompt")
+            r.sampling.validate(self.vocab_size)
+            if r.messages is not None:
+                w.text, w.ids = self.chat.encode(r.messages, r.add_generation_prompt)
+            elif r.prompt_token_ids is not None:
+                w.ids = list(r.prompt_token_ids)
+                if not all(0 <= t < self.vocab_size for t in w.ids):
+                    raise ProtocolError(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+            else:
+                w.text = r.prompt
+        except ProtocolError as exc:
+            w.error = ErrorInfo(message=exc.message, param=exc.param, code=getattr(exc, "code", 400))
+
+    def _check(self, w: _Work) -> None:
+        num_prompt = len(w.ids)
+        max_tokens = w.request.sampling.max_tokens
+        if num_prompt == 0:
+            w.error = ErrorInfo(message="the prompt is empty", param="prompt")
+        elif num_prompt + (max_tokens or 1) > self.max_model_len:
+            asked = num_prompt + (max_tokens or 1)
+            w.error = ErrorInfo(
+                message=(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                         f"requested {asked} tokens ({num_prompt} in the prompt, {max_tokens or 1} for the "
+                         f"completion). Please reduce the length of the prompt or the completion."),
+                param="max_tokens" if num_prompt < self.max_model_len else "prompt")
+
+    def _emit(self, w: _Work) -> list[tuple[str, Message]]:
+        r = w.request
+        if w.error is not None:
+            return [(r.reply_to, RequestOutput(request_id=r.request_id, finish_reason=FinishReason.ERROR,
+                                               num_choices=r.sampling.n, error=w.error))]
+        out: list[tuple[str, Message]] = []
+        if r.echo:
+            text = w.text if w.text is not None else self.tokenizer.decode(w.ids)
+            out.append((r.reply_to, RequestOutput(request_id=r.request_id, num_choices=r.sampling.n,
+                                                  prompt_text=text, prompt_token_ids=tuple(w.ids))))
+        s = r.sampling
+        detok = DetokParams(stop=s.stop, include_stop_str_in_output=s.include_stop_str_in_output,
+                            skip_special_tokens=s.skip_special_tokens, logprobs=s.logprobs is not None)
+        out.append((self.names.engine_in, EngineRequest(
+            request_id=r.request_id, reply_to=r.reply_to, prompt_token_ids=tuple(w.ids), sampling=s,
+            detok=detok, cache_salt=r.cache_salt, arrival_time=r.arrival_time, deadline=r.deadline,
+            trace=r.trace)))
+        return out

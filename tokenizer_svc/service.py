@@ -1,0 +1,116 @@
+"""The tokenizer replica's loop: read a batch from ps:tokenizer:in, encode it, publish, ack."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+
+from shared.config import TokenizerConfig
+from shared.protocol import GROUP_TOKENIZER, ErrorInfo, FinishReason, GenerateRequest, Message, RequestOutput
+from shared.heartbeat import HeartbeatWriter
+from shared.streams import GroupReader, Producer, connect
+from tokenizer_svc.prompts import PromptEncoder
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if not getattr(tokenizer, "is_fast", False):
+        log.warning("%s has no fast tokenizer; encoding will be slow", model_dir)
+    return tokenizer
+
+
+def model_max_len(model_dir: str, fallback: int = 2048) -> int:
+    """max_position_embeddings of the model's config.json (what the engine defaults to)."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+    except OSError:
+        return fallback
+    config = config.get("text_config", config)
+    return int(config.get("max_position_embeddings") or fallback)
+
+
+def resolve_model_dir(model: str | None) -> str:
+    if model is not None and os.path.isdir(model):
+        return model
+    from shared.models import resolve_model  # converts the default model once, when asked for it
+
+    return str(resolve_model(model))
+
+
+class TokenizerService:
+    """Owns one consumer of group "tokenizer" and a PromptEncoder; keeps no per-request state."""
+
+    def __init__(self, config: TokenizerConfig, encoder: PromptEncoder, client=None):
+        self.config = config
+        self.client = client or connect(config.bus.redis_url)
+        names = config.bus.names
+        self.to_engine = Producer(self.client, config.bus.maxlen)  # and to gateways (errors, echo)
+        self.from_gateway = GroupReader(self.client, names.tokenizer_in, GROUP_TOKENIZER, config.service_id,
+                                        claim_idle_ms=config.claim_idle_ms, dlq=names.dlq,
+                                        producer=self.to_engine, accept=(GenerateRequest,))
+        self.heartbeat = HeartbeatWriter(self.client, names.heartbeat, "tokenizer", config.service_id,
+                                         config.heartbeat_s)
+        self.encoder = encoder
+        self.stopping = threading.Event()
+        self.num_requests = 0
+
+    @classmethod
+    def from_config(cls, config: TokenizerConfig) -> TokenizerService:
+        model_dir = resolve_model_dir(config.model)
+        max_len = config.max_model_len or model_max_len(model_dir)
+        return cls(config, PromptEncoder(load_tokenizer(model_dir), max_len, config.bus.names))
+
+    def run(self) -> None:
+        self.from_gateway.ensure_group()
+        log.info("tokenizer %s reading %s", self.config.service_id, self.from_gateway.stream)
+        try:
+            while not self.stopping.is_set():
+                self.run_once(self.config.block_ms)
+        finally:
+            self.heartbeat.remove()
+
+    def run_once(self, block_ms: int | None) -> int:
+        envelopes = self.from_gateway.read(count=self.config.batch_size, block_ms=block_ms)
+        if envelopes:
+            self.to_engine.send_many(self._encode([e.msg for e in envelopes]))
+            self.from_gateway.ack(envelopes)  # after publishing: a crash before this re-delivers
+            self.num_requests += len(envelopes)
+        self.heartbeat.beat({"num_requests": self.num_requests})
+        return len(envelopes)
+
+    def _encode(self, requests: list[GenerateRequest]) -> list[tuple[str, Message]]:
+        """The batch at once; if that breaks (a bug, a template crash), one by one, and the request
+        that still breaks gets a 500 instead of crashing this replica on every re-delivery."""
+        try:
+            return self.encoder.encode_batch(requests)
+        except Exception:
+            log.exception("batch of %d failed; encoding one by one", len(requests))
+        out: list[tuple[str, Message]] = []
+        for request in requests:
+            try:
+                out += self.encoder.encode_batch([request])
+            except Exception as exc:
+                log.exception("request %s failed", request.request_id)
+                error = ErrorInfo(message=f"tokenizer error: {type(exc).__name__}", type="InternalServerError",
+                                  code=500)
+                out.append((request.reply_to, RequestOutput(request_id=request.request_id, error=error,
+                                                            finish_reason=FinishReason.ERROR)))
+        return out
+
+    def stop(self, *_args) -> None:
+        self.stopping.set()
+
+
+def main(config: TokenizerConfig) -> None:
+    service = TokenizerService.from_config(config)
+    signal.signal(signal.SIGTERM, service.stop)
+    signal.signal(signal.SIGINT, service.stop)
+    service.run()
