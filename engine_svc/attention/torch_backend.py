@@ -38,6 +38,7 @@ class _DecodeGroup:
 class _PrefillSeq:
     start: int
     end: int
+    context_len: int
     blocks: torch.Tensor  # int64 [ceil(context_len / block_size)]
     mask: torch.Tensor | None  # bool [q_len, context_len]; None: plain causal (no cached prefix)
 
@@ -73,6 +74,8 @@ class TorchAttentionBackend:
 
     # ------------------------------------------------------------------ reads
     def paged_decode(self, query, k_cache, v_cache, block_tables, context_lens, scale):
+        if query.shape[0] == 0:
+            return torch.empty_like(query)
         key = ("decode", block_tables, block_tables._version, context_lens, context_lens._version, k_cache.shape[1])
         groups = self._cached(key, lambda: _decode_groups(block_tables, context_lens, k_cache.shape[1]))
         return _decode(query, k_cache, v_cache, groups, scale)
@@ -87,9 +90,8 @@ class TorchAttentionBackend:
             out.index_copy_(0, decode_rows, _decode(query.index_select(0, decode_rows), k_cache, v_cache,
                                                     decode_groups, scale))
         for seq in seqs:
-            ctx = seq.mask.shape[1] if seq.mask is not None else seq.end - seq.start
             q = query[seq.start : seq.end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-            k, v = (cache.index_select(0, seq.blocks).flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
+            k, v = (cache.index_select(0, seq.blocks).flatten(0, 1)[: seq.context_len].transpose(0, 1).unsqueeze(0)
                     for cache in (k_cache, v_cache))  # [1, Hkv, ctx, D]: exactly the written slots
             o = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale, enable_gqa=True
@@ -196,7 +198,7 @@ def _prefill_plan(block_tables, query_start_loc, context_lens, block_size: int):
         mask = None
         if ctx != q_len:  # a cached prefix: query i sits at position ctx - q_len + i
             mask = pos[None, :] <= (ctx - q_len) + torch.arange(q_len, device=device)[:, None]
-        seqs.append(_PrefillSeq(start, end, blocks, mask))
+        seqs.append(_PrefillSeq(start, end, ctx, blocks, mask))
     if not single:
         return None, None, seqs
     rows = torch.tensor(single, dtype=torch.int64, device=device)

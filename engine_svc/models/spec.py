@@ -65,11 +65,7 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
             f"{path}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
         )
     get = _Getter(path, cfg)
-    hidden, heads = get.int("hidden_size"), get.int("num_attention_heads")
-    kv_heads = get.int("num_key_value_heads", heads)
-    if heads % kv_heads:
-        raise ModelConfigError(f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-    head_dim = cfg.get("head_dim") or hidden // heads
+    hidden, heads, kv_heads, head_dim = _attention_shape(path, cfg, get)
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ModelConfigError(f"{path}: field 'hidden_act' = {act!r} is not supported (only silu)")
@@ -87,7 +83,7 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
         num_layers=get.int("num_hidden_layers"),
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=int(head_dim),
+        head_dim=head_dim,
         rms_norm_eps=get.float("rms_norm_eps", 1e-6),
         max_position_embeddings=get.int("max_position_embeddings", 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -102,6 +98,15 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
         eos_token_ids=_eos_ids(Path(model_dir), cfg),
         torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
     )
+
+
+def _attention_shape(path: Path, cfg: dict, get: "_Getter") -> tuple[int, int, int, int]:
+    hidden, heads = get.int("hidden_size"), get.int("num_attention_heads")
+    kv_heads = get.int("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise ModelConfigError(f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    head_dim = get.int("head_dim") if cfg.get("head_dim") is not None else hidden // heads
+    return hidden, heads, kv_heads, head_dim
 
 
 def _rope(path: Path, cfg: dict) -> tuple[float, str, dict]:
