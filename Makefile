@@ -22,11 +22,13 @@ setup: $(STAMP)
 serve: setup
 	$(BIN)/pagedserve serve
 
+# One torch thread per process: the suite runs several services at once on few cores, and
+# oversubscribed torch threads make every small op wait a timeslice (10-50x slower).
 test: setup
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python bench/throughput.py
