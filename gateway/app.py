@@ -1,0 +1,242 @@
+"""The Starlette app: OpenAI routes, health, metrics, tokenize; the lifespan opens the bus.
+
+A route only parses and checks the HTTP request, turns each prompt into one GenerateRequest
+and hands a Generation to ``GenerationResponse``, which writes it out. Nothing here waits on
+Redis except through the collector's queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import logging
+import time
+import uuid
+
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.auth import APIKeyMiddleware
+from gateway.config import GatewayLimits, accepts_model
+from gateway.context import GatewayContext
+from gateway.errors import APIError, not_found_model
+from gateway.generation import Generation
+from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from gateway.renderer import ChatRenderer, CompletionRenderer
+from gateway.responder import GenerationResponse
+from shared.config import GatewayConfig
+from shared.protocol import GenerateRequest, ProtocolError
+from shared.telemetry import CONTENT_TYPE_LATEST, Metrics
+
+log = logging.getLogger(__name__)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pagedserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.1.0+local"
+
+
+class Routes:
+    """The HTTP handlers of one gateway; they share its GatewayContext and metrics."""
+
+    def __init__(self, ctx: GatewayContext, metrics: Metrics):
+        self.ctx = ctx
+        self.config = ctx.config
+        self.limits = ctx.limits
+        self.metrics = metrics
+
+    # ----------------------------------------------------------------- generation
+    async def completions(self, request: Request):
+        body = await self._parse(request, CompletionRequest)
+        prompts = body.prompts()
+        params = body.sampling_params()
+        for prompt in prompts:
+            if isinstance(prompt, tuple):
+                self._check_prompt_len(len(prompt))
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        requests = [self._request(f"{response_id}-{i}", params, echo=body.echo, cache_salt=body.cache_salt,
+                                  prompt=p if isinstance(p, str) else None,
+                                  prompt_token_ids=p if isinstance(p, tuple) else None)
+                    for i, p in enumerate(prompts)]
+        echo_texts = [p if isinstance(p, str) else None for p in prompts]
+        renderer = CompletionRenderer(response_id, self.ctx.model_name, want_logprobs=body.logprobs is not None)
+        return await self._generate(requests, renderer, body, echo_texts)
+
+    async def chat_completions(self, request: Request):
+        body = await self._parse(request, ChatCompletionRequest)
+        messages = body.chat_messages()
+        params = body.sampling_params()
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        requests = [self._request(f"{response_id}-0", params, messages=messages, cache_salt=body.cache_salt,
+                                  add_generation_prompt=body.add_generation_prompt)]
+        renderer = ChatRenderer(response_id, self.ctx.model_name, want_logprobs=body.logprobs)
+        return await self._generate(requests, renderer, body)
+
+    def _request(self, request_id: str, params, **fields) -> GenerateRequest:
+        return GenerateRequest(request_id=request_id, reply_to=self.ctx.reply_to, sampling=params,
+                               arrival_time=time.time(), **fields)
+
+    async def _generate(self, requests, renderer, body, echo_texts=None) -> GenerationResponse:
+        if self.ctx.num_in_flight >= self.limits.max_pending_requests:
+            raise APIError(429, "too many requests in flight; retry later")
+        generation = Generation(self.ctx, requests, idle_timeout_s=self.limits.idle_timeout_s,
+                                echo_texts=echo_texts)
+        await generation.start()
+        self.ctx.num_in_flight += 1
+        return GenerationResponse(generation, renderer, stream=body.stream, include_usage=body.include_usage,
+                                  on_done=self._done)
+
+    def _done(self, generation: Generation, status: int) -> None:
+        self.ctx.num_in_flight -= 1
+        observe(self.metrics, generation, status)
+
+    async def _parse(self, request: Request, model: type[BaseModel]):
+        raw = await _read_body(request, self.limits.max_body_bytes)
+        try:
+            body = model.model_validate_json(raw or b"{}")
+        except ValidationError as exc:
+            raise APIError.from_validation(exc) from None
+        if not accepts_model(self.config, getattr(body, "model", None)):
+            raise not_found_model(body.model)
+        return body
+
+    def _check_prompt_len(self, num_tokens: int) -> None:
+        limit = self.config.max_model_len
+        if limit is not None and num_tokens >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your prompt "
+                                f"has {num_tokens} tokens, which leaves no room for output.", "prompt")
+
+    # ----------------------------------------------------------------- the rest
+    async def models(self, request: Request) -> JSONResponse:
+        card = {"id": self.ctx.model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "pagedserve", "root": self.config.model or self.ctx.model_name, "parent": None,
+                "max_model_len": self.config.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> JSONResponse:
+        try:
+            engines = await self.ctx.fresh_engines()
+        except Exception as exc:
+            raise APIError(503, f"Redis is unreachable: {exc}") from None
+        if not engines:
+            raise APIError(503, f"no engine heartbeat in the last {self.limits.heartbeat_max_age_s:g}s")
+        return JSONResponse({"status": "ok", "engines": [b.service_id for b in engines]})
+
+    async def version(self, request: Request) -> JSONResponse:
+        return JSONResponse({"version": _version()})
+
+    async def metrics_route(self, request: Request) -> Response:
+        try:
+            engines = await self.ctx.fresh_engines()
+        except Exception:
+            engines = []
+        self.metrics.update_from_heartbeats({b.service_id: b.stats for b in engines})
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        body = await self._parse(request, TokenizeRequest)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", "prompt")
+        tokenizer = await self.ctx.tokenizer()
+        if body.messages is not None:
+            chat = [{"role": m.role, "content": m.to_message().content} for m in body.messages]
+            text = await asyncio.to_thread(tokenizer.apply_chat_template, chat, tokenize=False,
+                                           add_generation_prompt=body.add_generation_prompt)
+            ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
+        else:
+            ids = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+        return JSONResponse({"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": list(ids),
+                             "token_strs": None})
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        body = await self._parse(request, DetokenizeRequest)
+        tokenizer = await self.ctx.tokenizer()
+        if any(not 0 <= t < len(tokenizer) for t in body.tokens):
+            raise APIError(400, "token id out of the vocabulary", "tokens")
+        text = await asyncio.to_thread(tokenizer.decode, body.tokens)
+        return JSONResponse({"prompt": text})
+
+
+def observe(metrics: Metrics, generation: Generation, status: int) -> None:
+    """Feed one finished HTTP request to the Prometheus series (errors and departures count too)."""
+    if status != 200 or generation.first_output_time is None:
+        reason = "abort" if status == 499 else "error"
+        metrics.request_success.labels(metrics.model_name, reason).inc()
+        return
+    usage = generation.usage()
+    finish = generation.choices[0].finish_reason_str or "abort"
+    metrics.observe_request(prompt_tokens=usage.prompt_tokens, generation_tokens=usage.completion_tokens,
+                            finish_reason=finish, e2e_s=time.monotonic() - generation.start_time,
+                            ttft_s=generation.first_output_time - generation.start_time,
+                            itl_s=generation.output_gaps)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body exceeds {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body exceeds {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _api_error(request: Request, exc: APIError) -> Response:
+    return exc.response()
+
+
+async def _protocol_error(request: Request, exc: ProtocolError) -> Response:
+    return APIError.from_protocol(exc).response()
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    return APIError(exc.status_code, str(exc.detail)).response()
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path)
+    return APIError(500, f"internal error: {type(exc).__name__}").response()
+
+
+def build_app(config: GatewayConfig, limits: GatewayLimits | None = None, *,
+              context: GatewayContext | None = None) -> Starlette:
+    """The ASGI app; nothing connects until the lifespan starts. ``context`` is for unit tests."""
+    ctx = context if context is not None else GatewayContext(config, limits)
+    routes = Routes(ctx, Metrics(ctx.model_name))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        await ctx.open()
+        try:
+            yield
+        finally:
+            await ctx.close()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", routes.completions, methods=["POST"]),
+            Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+            Route("/v1/models", routes.models, methods=["GET"]),
+            Route("/health", routes.health, methods=["GET"]),
+            Route("/version", routes.version, methods=["GET"]),
+            Route("/metrics", routes.metrics_route, methods=["GET"]),
+            Route("/tokenize", routes.tokenize, methods=["POST"]),
+            Route("/detokenize", routes.detokenize, methods=["POST"]),
+        ],
+        exception_handlers={APIError: _api_error, ProtocolError: _protocol_error, HTTPException: _http_error,
+                            Exception: _internal_error},
+        lifespan=lifespan,
+    )
+    app.state.ctx = ctx
+    app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    return app

@@ -1,0 +1,140 @@
+"""What one gateway process holds while it serves: Redis, the bus ends, the collector, the tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from gateway.collector import Collector
+from gateway.config import GatewayLimits, gateway_id, served_model_name
+from gateway.errors import APIError
+from shared.config import GatewayConfig
+from shared.models import resolve_model
+from shared.protocol import Abort, GenerateRequest, Heartbeat, ProtocolError, decode
+from shared.streams import AsyncProducer, AsyncStreamReader
+
+log = logging.getLogger(__name__)
+
+
+class GatewayContext:
+    """Owns the gateway's connections and the work in flight.
+
+    Built without I/O (``GatewayContext(config)``); ``open()`` connects and starts the collector,
+    ``close()`` stops it and deletes the reply stream. Aborts are sent from background tasks
+    held here, so a client's departure can never cancel the Abort that frees its blocks.
+    """
+
+    def __init__(self, config: GatewayConfig, limits: GatewayLimits | None = None):
+        self.config = config
+        self.limits = limits or GatewayLimits()
+        self.model_name = served_model_name(config)
+        self.names = config.bus.names
+        self.gateway_id = gateway_id(config)
+        self.reply_to = self.names.gateway_out(self.gateway_id)
+        self.client: aioredis.Redis | None = None
+        self.producer: AsyncProducer | None = None
+        self.collector: Collector | None = None
+        self.num_in_flight = 0
+        self._tokenizer: asyncio.Future | None = None
+        self._background: set[asyncio.Task] = set()
+        self._heartbeat: asyncio.Task | None = None
+        self.service_id = f"gateway-{self.gateway_id}"
+
+    async def open(self) -> None:
+        self.client = aioredis.Redis.from_url(self.config.bus.redis_url, socket_connect_timeout=5)
+        self.producer = AsyncProducer(self.client, maxlen=self.config.bus.maxlen)
+        self.collector = Collector(AsyncStreamReader(self.client, self.reply_to, start="0-0"), trim=self._trim)
+        self.collector.start()
+        if self.config.model is not None:  # warm it up now; the default model is resolved lazily
+            self._tokenizer = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, self.config.model))
+        self._heartbeat = asyncio.get_running_loop().create_task(self._beat_forever(), name="gateway-heartbeat")
+        log.info("gateway %s reads %s", self.gateway_id, self.reply_to)
+
+    async def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            await asyncio.gather(self._heartbeat, return_exceptions=True)
+        if self._background:
+            await asyncio.wait(self._background, timeout=2)
+        if self.collector is not None:
+            await self.collector.stop()
+            await self.collector.reader.close()
+        if self.client is not None:
+            try:
+                await self.client.delete(self.reply_to)
+                await self.client.hdel(self.names.heartbeat, self.service_id)
+            except Exception as exc:  # Redis gone: nothing to clean up
+                log.warning("could not delete %s: %s", self.reply_to, exc)
+            await self.client.aclose()
+
+    # ----------------------------------------------------------------- the bus
+    async def submit(self, requests: Sequence[GenerateRequest]) -> None:
+        try:
+            await self.producer.send_many([(self.names.tokenizer_in, r) for r in requests])
+        except Exception as exc:
+            raise APIError(503, f"cannot reach the request bus: {exc}") from None
+
+    async def _trim(self, last_id: str) -> None:
+        await self.client.xtrim(self.reply_to, minid=last_id, approximate=True)
+
+    def abort(self, request_ids: Sequence[str], reason: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._send_abort(tuple(request_ids), reason))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _send_abort(self, request_ids: tuple[str, ...], reason: str) -> None:
+        try:
+            await self.producer.send(self.names.engine_ctl, Abort(request_ids=request_ids, reason=reason))
+        except Exception as exc:
+            log.warning("abort of %s not sent: %s", request_ids, exc)
+
+    async def _beat_forever(self, interval_s: float = 1.0) -> None:
+        """Like every service: a Heartbeat in ps:heartbeat, with the requests this gateway holds."""
+        while True:
+            beat = Heartbeat(service="gateway", service_id=self.service_id, time=time.time(),
+                             stats={"num_requests": float(self.num_in_flight),
+                                    "num_routes": float(self.collector.num_pending),
+                                    "num_dropped": float(self.collector.num_dropped)})
+            try:
+                await self.client.hset(self.names.heartbeat, self.service_id, beat.to_wire())
+            except Exception as exc:  # Redis restarting: the next beat will do
+                log.warning("heartbeat not written: %s", exc)
+            await asyncio.sleep(interval_s)
+
+    async def heartbeats(self) -> list[Heartbeat]:
+        raw = await self.client.hgetall(self.names.heartbeat)
+        beats = []
+        for value in raw.values():
+            try:
+                msg = decode(value)
+            except ProtocolError:
+                continue
+            if isinstance(msg, Heartbeat):
+                beats.append(msg)
+        return beats
+
+    async def fresh_engines(self) -> list[Heartbeat]:
+        now = time.time()
+        return [b for b in await self.heartbeats()
+                if b.service == "engine" and now - b.time < self.limits.heartbeat_max_age_s]
+
+    # ----------------------------------------------------------------- the local tokenizer
+    async def tokenizer(self) -> Any:
+        """The model's HF tokenizer, loaded once off the event loop (for /tokenize, /detokenize)."""
+        if self._tokenizer is None:
+            self._tokenizer = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, self.config.model))
+        try:
+            return await asyncio.shield(self._tokenizer)
+        except Exception as exc:
+            raise APIError(503, f"cannot load the tokenizer: {exc}") from None
+
+
+def _load_tokenizer(path: str | None) -> Any:
+    from transformers import AutoTokenizer  # heavy: only when /tokenize is first used
+
+    return AutoTokenizer.from_pretrained(resolve_model(path))

@@ -1,0 +1,76 @@
+"""The OpenAI error envelope and the one exception type every gateway layer raises.
+
+Every failure a client can see -- malformed JSON, a bad parameter, an unknown model, an error
+reported by a service further down the bus -- becomes an :class:`APIError`, rendered as
+``{"error": {"message", "type", "param", "code"}}`` with ``code`` equal to the HTTP status.
+Validation failures are 400, as vLLM answers (not FastAPI's 422): one status for "your request
+is wrong", whether pydantic or ``SamplingParams.validate`` found it.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pydantic import ValidationError
+from starlette.responses import Response
+
+from shared.protocol import ErrorInfo, ProtocolError
+
+ERROR_TYPES: dict[int, str] = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    413: "RequestTooLargeError",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    """A failure to report to the client: HTTP status, message, and the parameter at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type or ERROR_TYPES.get(status, "InternalServerError")
+
+    @classmethod
+    def from_info(cls, info: ErrorInfo) -> APIError:
+        status = info.code if 400 <= info.code <= 599 else 500
+        return cls(status, info.message, info.param, info.type)
+
+    @classmethod
+    def from_protocol(cls, exc: ProtocolError) -> APIError:
+        return cls(getattr(exc, "code", 400), exc.message, exc.param)
+
+    @classmethod
+    def from_validation(cls, exc: ValidationError) -> APIError:
+        """The first pydantic error, with its location as ``param`` (``messages.0.role``)."""
+        first = exc.errors(include_url=False)[0]
+        if first["type"] == "json_invalid":
+            return cls(400, f"malformed JSON body: {first['msg']}")
+        loc = ".".join(str(p) for p in first["loc"] if not _is_union_tag(p))
+        where = f" ({loc})" if loc else ""
+        return cls(400, f"invalid request{where}: {first['msg']}", loc or None)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+    def response(self) -> Response:
+        return Response(json.dumps(self.body()), status_code=self.status, media_type="application/json")
+
+    def sse_event(self) -> bytes:
+        return f"data: {json.dumps(self.body())}\n\n".encode()
+
+
+def _is_union_tag(part: object) -> bool:
+    # pydantic puts the union member it tried into the location: ("prompt", "list[int]", 0)
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool"})
+
+
+def not_found_model(name: str | None) -> APIError:
+    return APIError(404, f"The model `{name}` does not exist.", "model")

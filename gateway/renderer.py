@@ -1,0 +1,150 @@
+"""Choices -> OpenAI response bodies and stream chunks, for completions and for chat.
+
+A renderer knows the shapes only; it never touches queues, Redis or HTTP. ``chunk()`` is called
+once per applied RequestOutput while streaming, ``response()`` once at the end otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from pydantic import BaseModel
+
+from gateway.choice import Choice
+from gateway.openai_protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessageOut,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    PromptTokensDetails,
+    TopLogprob,
+    UsageInfo,
+)
+from shared.protocol import RequestOutput, TextLogprobs
+
+
+def make_usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> UsageInfo:
+    details = PromptTokensDetails(cached_tokens=num_cached_tokens) if num_cached_tokens else None
+    return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                     total_tokens=num_prompt_tokens + num_completion_tokens, prompt_tokens_details=details)
+
+
+def completion_logprobs(lps: Sequence[TextLogprobs], start: int) -> tuple[CompletionLogprobs, int]:
+    """The legacy parallel-list shape; ``text_offset`` counts from ``start``. Returns the end offset."""
+    out = CompletionLogprobs()
+    for lp in lps:
+        out.tokens.append(lp.token)
+        out.token_logprobs.append(lp.logprob)
+        top = dict(zip(lp.top_tokens, lp.top_logprobs))
+        top.setdefault(lp.token, lp.logprob)
+        out.top_logprobs.append(top)
+        out.text_offset.append(start)
+        start += len(lp.token)
+    return out, start
+
+
+def chat_logprobs(lps: Sequence[TextLogprobs]) -> ChatLogprobs:
+    return ChatLogprobs(content=[
+        ChatTokenLogprob(
+            token=lp.token, logprob=lp.logprob, bytes=list(lp.bytes) or list(lp.token.encode()),
+            top_logprobs=[TopLogprob(token=t, logprob=v, bytes=list(t.encode()))
+                          for t, v in zip(lp.top_tokens, lp.top_logprobs)],
+        )
+        for lp in lps
+    ])
+
+
+class Renderer:
+    """The shapes of one API (completions or chat) for one HTTP request."""
+
+    def __init__(self, response_id: str, model: str, *, want_logprobs: bool):
+        self.response_id = response_id
+        self.model = model
+        self.want_logprobs = want_logprobs
+        self.created = int(time.time())
+
+    def response(self, choices: Sequence[Choice], usage: UsageInfo) -> BaseModel:
+        raise NotImplementedError
+
+    def chunks(self, choice: Choice, out: RequestOutput) -> list[BaseModel]:
+        raise NotImplementedError
+
+    def usage_chunk(self, usage: UsageInfo) -> BaseModel:
+        raise NotImplementedError
+
+
+class CompletionRenderer(Renderer):
+    """``text_completion`` objects; echoed prompt text leads the first chunk of each choice."""
+
+    def response(self, choices: Sequence[Choice], usage: UsageInfo) -> CompletionResponse:
+        return CompletionResponse(id=self.response_id, created=self.created, model=self.model, usage=usage,
+                                  choices=[self._full_choice(c) for c in choices])
+
+    def _full_choice(self, choice: Choice) -> CompletionChoice:
+        logprobs = None
+        if self.want_logprobs:
+            logprobs, _ = completion_logprobs(choice.logprobs, len(choice.echo_text))
+        return CompletionChoice(index=choice.index, text=choice.text, logprobs=logprobs,
+                                finish_reason=choice.finish_reason_str, stop_reason=choice.stop_reason)
+
+    def chunks(self, choice: Choice, out: RequestOutput) -> list[CompletionChunk]:
+        text = out.text_delta
+        if not choice.is_started:
+            choice.is_started = True
+            choice.logprob_offset = len(choice.echo_text)
+            text = choice.echo_text + text
+        logprobs = None
+        if self.want_logprobs and out.logprobs:
+            logprobs, choice.logprob_offset = completion_logprobs(out.logprobs, choice.logprob_offset)
+        if not text and logprobs is None and out.finish_reason is None:
+            return []
+        body = CompletionChoice(index=choice.index, text=text, logprobs=logprobs,
+                                finish_reason=choice.finish_reason_str if out.finish_reason is not None else None,
+                                stop_reason=out.stop_reason)
+        return [CompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[body])]
+
+    def usage_chunk(self, usage: UsageInfo) -> CompletionChunk:
+        return CompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[], usage=usage)
+
+
+class ChatRenderer(Renderer):
+    """``chat.completion`` objects; each streamed choice opens with a role-only delta."""
+
+    def response(self, choices: Sequence[Choice], usage: UsageInfo) -> ChatCompletionResponse:
+        return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model, usage=usage,
+                                      choices=[self._full_choice(c) for c in choices])
+
+    def _full_choice(self, choice: Choice) -> ChatChoice:
+        logprobs = chat_logprobs(choice.logprobs) if self.want_logprobs else None
+        return ChatChoice(index=choice.index, message=ChatMessageOut(content=choice.text), logprobs=logprobs,
+                          finish_reason=choice.finish_reason_str, stop_reason=choice.stop_reason)
+
+    def chunks(self, choice: Choice, out: RequestOutput) -> list[ChatCompletionChunk]:
+        chunks = []
+        if not choice.is_started:
+            choice.is_started = True
+            chunks.append(self._chunk(ChatChunkChoice(index=choice.index,
+                                                      delta=DeltaMessage(role="assistant", content=""))))
+        logprobs = chat_logprobs(out.logprobs) if self.want_logprobs and out.logprobs else None
+        if out.text_delta or logprobs is not None or out.finish_reason is not None:
+            finish = choice.finish_reason_str if out.finish_reason is not None else None
+            delta = DeltaMessage(content=out.text_delta) if out.text_delta else DeltaMessage()
+            chunks.append(self._chunk(ChatChunkChoice(index=choice.index, delta=delta, logprobs=logprobs,
+                                                      finish_reason=finish, stop_reason=out.stop_reason)))
+        return chunks
+
+    def _chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[choice])
+
+    def usage_chunk(self, usage: UsageInfo) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[],
+                                   usage=usage)

@@ -1,0 +1,221 @@
+"""The gateway's request flow over an in-memory bus: aggregation, streaming, errors, aborts.
+
+No Redis here: ``ScriptedContext`` replaces the two bus ends of GatewayContext (submit, abort)
+and answers each GenerateRequest with scripted RequestOutputs through the real Collector.
+The same flows run against the real stack in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from starlette.testclient import TestClient
+
+from gateway.app import build_app
+from gateway.collector import Collector
+from gateway.config import GatewayLimits
+from gateway.context import GatewayContext
+from shared.config import GatewayConfig
+from shared.protocol import (ErrorInfo, FinishReason, GenerateRequest, Heartbeat, RequestOutput,
+                             TextLogprobs, Usage)
+
+
+class _SilentReader:
+    async def read(self, count=0, block_ms=None):
+        await asyncio.sleep(3600)
+        return []
+
+    async def close(self):
+        pass
+
+
+class ScriptedContext(GatewayContext):
+    """GatewayContext whose bus is a function GenerateRequest -> list[RequestOutput]."""
+
+    def __init__(self, config, limits, script):
+        super().__init__(config, limits)
+        self.script = script
+        self.submitted: list[GenerateRequest] = []
+        self.aborted: list[tuple[str, ...]] = []
+        self.engines: list[Heartbeat] = []
+
+    async def open(self):
+        self.collector = Collector(_SilentReader())
+        self.collector.start()
+
+    async def close(self):
+        await self.collector.stop()
+
+    async def submit(self, requests):
+        self.submitted.extend(requests)
+        loop = asyncio.get_running_loop()
+        for request in requests:
+            for out in self.script(request):
+                loop.call_soon(self.collector.route, out)
+
+    def abort(self, request_ids, reason):
+        self.aborted.append(tuple(request_ids))
+
+    async def fresh_engines(self):
+        return self.engines
+
+
+def words(request: GenerateRequest, texts=("Hello", " world"), *, duplicate=False, logprobs=False):
+    """Per choice: one output per text, the last one finished; a prompt note first."""
+    outs = [RequestOutput(request_id=request.request_id, prompt_token_ids=(1, 2, 3),
+                          prompt_text=request.prompt if request.prompt is not None else "<ids>")]
+    for index in range(request.sampling.n):
+        for seq, text in enumerate(texts):
+            last = seq == len(texts) - 1
+            lps = (TextLogprobs(token=text, token_id=10 + seq, logprob=-0.5),) if logprobs else None
+            # like the detokenizer: the request's usage (all choices) rides on its very last output
+            usage = Usage(prompt_tokens=3, completion_tokens=len(texts) * request.sampling.n) \
+                if last and index == request.sampling.n - 1 else None
+            out = RequestOutput(request_id=request.request_id, seq=seq, index=index, text_delta=f"{text}{index}",
+                                token_ids=(10 + seq,), logprobs=lps, num_choices=request.sampling.n,
+                                finish_reason=FinishReason.STOP if last else None, usage=usage)
+            outs += [out, out] if duplicate else [out]
+    return outs
+
+
+@pytest.fixture
+def make_client():
+    clients = []
+
+    def make(script, **limits):
+        config = GatewayConfig(served_model_name="tiny")
+        ctx = ScriptedContext(config, GatewayLimits(**limits), script)
+        client = TestClient(build_app(config, context=ctx), raise_server_exceptions=False)
+        client.__enter__()
+        clients.append(client)
+        return client, ctx
+
+    yield make
+    for client in clients:
+        client.__exit__(None, None, None)
+
+
+def sse_events(resp) -> list:
+    events = []
+    for line in resp.text.splitlines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_completions_aggregate_prompts_and_choices(make_client):
+    client, ctx = make_client(lambda r: words(r, duplicate=True))
+    resp = client.post("/v1/completions", json={"model": "tiny", "prompt": ["a", "b"], "n": 2, "max_tokens": 5})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["object"] == "text_completion" and body["model"] == "tiny"
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in body["choices"]] == ["Hello0 world0", "Hello1 world1"] * 2
+    assert {c["finish_reason"] for c in body["choices"]} == {"stop"}
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 8, "total_tokens": 14,
+                             "prompt_tokens_details": None}
+    assert [r.prompt for r in ctx.submitted] == ["a", "b"]
+    assert all(r.reply_to == ctx.reply_to and r.sampling.n == 2 for r in ctx.submitted)
+    assert len({r.request_id for r in ctx.submitted}) == 2
+    assert ctx.aborted == [] and ctx.collector.num_pending == 0
+
+
+def test_token_prompts_echo_and_logprobs(make_client):
+    client, ctx = make_client(lambda r: words(r, logprobs=True))
+    resp = client.post("/v1/completions", json={"prompt": [[5, 6]], "echo": True, "logprobs": 0})
+    choice = resp.json()["choices"][0]
+    assert ctx.submitted[0].prompt_token_ids == (5, 6) and ctx.submitted[0].echo
+    assert choice["text"] == "<ids>Hello0 world0"
+    assert choice["logprobs"] == {"tokens": ["Hello", " world"], "token_logprobs": [-0.5, -0.5],
+                                  "top_logprobs": [{"Hello": -0.5}, {" world": -0.5}], "text_offset": [5, 10]}
+
+
+def test_chat_stream_with_usage(make_client):
+    client, ctx = make_client(words)
+    resp = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2,
+        "stream_options": {"include_usage": True}})
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(resp)
+    assert events[-1] == "[DONE]"
+    usage_chunk = events[-2]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 4
+    chunks = events[:-2]
+    assert all(c["object"] == "chat.completion.chunk" and len(c["choices"]) == 1 for c in chunks)
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(c["delta"].get("content") or "" for c in mine) == f"Hello{index} world{index}"
+        assert [c["finish_reason"] for c in mine][-1] == "stop"
+    assert ctx.submitted[0].messages[0].content == "hi"
+
+
+def test_an_error_before_the_stream_starts_is_an_http_status(make_client):
+    def refuse(r):
+        return [RequestOutput(request_id=r.request_id, finish_reason=FinishReason.ERROR,
+                              error=ErrorInfo(message="prompt too long", param="prompt", code=400))]
+
+    client, ctx = make_client(refuse)
+    for stream in (False, True):
+        resp = client.post("/v1/completions", json={"prompt": "x", "stream": stream})
+        assert resp.status_code == 400
+        assert resp.json()["error"] == {"message": "prompt too long", "type": "BadRequestError",
+                                        "param": "prompt", "code": 400}
+    assert ctx.collector.num_pending == 0
+
+
+def test_an_error_mid_stream_is_one_sse_event_then_close(make_client):
+    def fail_late(r):
+        return words(r)[:2] + [RequestOutput(request_id=r.request_id, seq=1, finish_reason=FinishReason.ERROR,
+                                             error=ErrorInfo(message="engine died", type="InternalServerError",
+                                                             code=500))]
+
+    client, ctx = make_client(fail_late)
+    events = sse_events(client.post("/v1/completions", json={"prompt": "x", "stream": True}))
+    assert events[0]["choices"][0]["text"] == "Hello0"
+    assert events[-1] == {"error": {"message": "engine died", "type": "InternalServerError", "param": None,
+                                    "code": 500}}
+    assert "[DONE]" not in events
+    assert ctx.aborted == [(ctx.submitted[0].request_id,)]
+
+
+def test_silence_times_out_with_503_and_an_abort(make_client):
+    client, ctx = make_client(lambda r: [], idle_timeout_s=0.2)
+    resp = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == 503
+    assert ctx.aborted == [(ctx.submitted[0].request_id,)] and ctx.collector.num_pending == 0
+
+
+def test_outputs_for_unknown_requests_are_dropped(make_client):
+    client, ctx = make_client(words)
+    ctx.collector.route(RequestOutput(request_id="nobody", text_delta="x"))
+    assert ctx.collector.num_dropped == 1
+    assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+
+
+def test_metrics_count_finished_requests(make_client):
+    client, _ = make_client(words)
+    client.post("/v1/completions", json={"prompt": "x"})
+    text = client.get("/metrics").text
+    assert 'pagedserve:generation_tokens_total{model_name="tiny"} 2.0' in text
+    assert 'pagedserve:request_success_total{finished_reason="stop",model_name="tiny"} 1.0' in text
+    assert "pagedserve:time_to_first_token_seconds_bucket" in text
+
+
+def test_health_follows_engine_heartbeats(make_client):
+    client, ctx = make_client(words)
+    resp = client.get("/health")
+    assert resp.status_code == 503 and resp.json()["error"]["type"] == "ServiceUnavailableError"
+    ctx.engines = [Heartbeat(service="engine", service_id="engine-0", time=0.0, stats={"num_running": 2.0})]
+    assert client.get("/health").json() == {"status": "ok", "engines": ["engine-0"]}
+    assert 'pagedserve:num_requests_running{model_name="tiny"} 2.0' in client.get("/metrics").text
+
+
+def test_too_many_requests_in_flight_is_429(make_client):
+    client, ctx = make_client(words, max_pending_requests=0)
+    resp = client.post("/v1/completions", json={"prompt": "x"})
+    assert resp.status_code == 429 and resp.json()["error"]["code"] == 429
+    assert ctx.submitted == []
