@@ -9,6 +9,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
+# g++ builds the CPU paged-decode kernel at the engine's first start (cached in /cache)
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+
 # torch first, from the CPU wheel index (PyPI's default wheel is the large CUDA build)
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 

@@ -12,6 +12,10 @@ and fast:
   padding to the global maximum costs more than the handful of extra calls).
 
 The per-step index work is cached and reused by every layer of the step (same tensors in).
+
+On CPU, decode rows go to the C++ kernel of cpu_ops instead when it is available: it reads K/V
+in place through the block tables (no gather copy). The torch path below stays the reference
+and the fallback (PAGEDSERVE_CPU_KERNELS=0 forces it).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from engine_svc.attention.cpu_ops import decode_kernel_for
 
 BUCKET_FILL = 0.75  # a decode bucket pads no row to more than 1/0.75 of its own length
 MAX_BUCKETS = 6
@@ -32,6 +38,16 @@ class _DecodeGroup:
     blocks: torch.Tensor  # int64 [n, num_blocks]: block ids to gather (null-block padded)
     garbage: torch.Tensor | None  # int64 flat positions (row * L + p) with p >= context_len
     mask: torch.Tensor | None  # bool [n, 1, 1, L]; None when every position is valid
+
+
+@dataclass(slots=True)
+class _DecodeRows:
+    """The single-token rows of a prefill batch, served like a decode batch."""
+
+    rows: torch.Tensor  # int64 rows of the flat query
+    block_tables: torch.Tensor  # int32 [n, max_blocks]
+    context_lens: torch.Tensor  # int32 [n]
+    groups: list[_DecodeGroup]
 
 
 @dataclass(slots=True)
@@ -76,6 +92,9 @@ class TorchAttentionBackend:
     def paged_decode(self, query, k_cache, v_cache, block_tables, context_lens, scale):
         if query.shape[0] == 0:
             return torch.empty_like(query)
+        kernel = decode_kernel_for(query, k_cache, v_cache, block_tables, context_lens)
+        if kernel is not None:
+            return kernel(query, k_cache, v_cache, block_tables, context_lens, scale)
         key = ("decode", block_tables, block_tables._version, context_lens, context_lens._version, k_cache.shape[1])
         groups = self._cached(key, lambda: _decode_groups(block_tables, context_lens, k_cache.shape[1]))
         return _decode(query, k_cache, v_cache, groups, scale)
@@ -84,11 +103,14 @@ class TorchAttentionBackend:
         key = ("prefill", block_tables, block_tables._version, context_lens, context_lens._version,
                query_start_loc, query_start_loc._version, k_cache.shape[1])
         plan = self._cached(key, lambda: _prefill_plan(block_tables, query_start_loc, context_lens, k_cache.shape[1]))
-        decode_rows, decode_groups, seqs = plan
+        decode, seqs = plan
         out = torch.empty_like(query)
-        if decode_rows is not None:
-            out.index_copy_(0, decode_rows, _decode(query.index_select(0, decode_rows), k_cache, v_cache,
-                                                    decode_groups, scale))
+        if decode is not None:
+            q = query.index_select(0, decode.rows)
+            kernel = decode_kernel_for(q, k_cache, v_cache, decode.block_tables, decode.context_lens)
+            o = (kernel(q, k_cache, v_cache, decode.block_tables, decode.context_lens, scale) if kernel is not None
+                 else _decode(q, k_cache, v_cache, decode.groups, scale))
+            out.index_copy_(0, decode.rows, o)
         for seq in seqs:
             q = query[seq.start : seq.end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             k, v = (cache.index_select(0, seq.blocks).flatten(0, 1)[: seq.context_len].transpose(0, 1).unsqueeze(0)
@@ -200,7 +222,7 @@ def _prefill_plan(block_tables, query_start_loc, context_lens, block_size: int):
             mask = pos[None, :] <= (ctx - q_len) + torch.arange(q_len, device=device)[:, None]
         seqs.append(_PrefillSeq(start, end, ctx, blocks, mask))
     if not single:
-        return None, None, seqs
+        return None, seqs
     rows = torch.tensor(single, dtype=torch.int64, device=device)
-    decode_rows = query_start_loc[rows].long()
-    return decode_rows, _decode_groups(block_tables[rows], context_lens[rows], block_size), seqs
+    tables, lens = block_tables[rows].contiguous(), context_lens[rows].contiguous()
+    return _DecodeRows(query_start_loc[rows].long(), tables, lens, _decode_groups(tables, lens, block_size)), seqs

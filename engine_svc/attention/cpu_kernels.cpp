@@ -1,0 +1,223 @@
+// Paged decode attention for CPU: reads K/V in place from the paged pool (no gather copy).
+//
+// A work item is one sequence (all kv heads: each block is read front to back) or, for batches
+// too small to keep every thread busy, one (sequence, kv head). Each GQA group of query heads is
+// handled together, so each K and V row is read once for all heads that share it:
+//
+//   pass 1  scores[h][p] = scale * q[h] . K[block_table[p / B]][p % B][h / group]   p < context_len
+//   pass 2  softmax over p (max, exp, sum) in the per-thread score buffer
+//   pass 3  out[h] = sum_p w[h][p] * V[...same slot...]
+//
+// Slots at positions >= context_len are never touched, so garbage (even NaN) there cannot leak.
+// The inner loops are written so that g++ -O3 vectorises them without -ffast-math: fixed-width
+// lane accumulators instead of a float reduction, and a branch-free polynomial exp.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;  // two AVX2 registers of accumulators hide the FMA latency
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float acc[kLanes] = {};
+  int64_t d = 0;
+  for (; d + kLanes <= n; d += kLanes)
+    for (int j = 0; j < kLanes; ++j) acc[j] += a[d + j] * b[d + j];
+  // a tree, not a chain of 16 dependent scalar adds (the compiler may not reassociate floats)
+  for (int j = 0; j < 8; ++j) acc[j] += acc[j + 8];
+  for (int j = 0; j < 4; ++j) acc[j] += acc[j + 4];
+  float sum = (acc[0] + acc[2]) + (acc[1] + acc[3]);
+  for (; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+// acc += sum_i w[i] * rows[i]: with a compile-time dim the accumulator stays in registers across rows.
+template <int kDim>
+inline void accumulate(const float* __restrict w, const float* __restrict rows, int64_t stride, int64_t n,
+                       float* __restrict acc, int64_t dim) {
+  if constexpr (kDim > 0) {
+    float a[kDim];
+    std::memcpy(a, acc, sizeof(a));
+    for (int64_t i = 0; i < n; ++i)
+      for (int d = 0; d < kDim; ++d) a[d] += w[i] * rows[i * stride + d];
+    std::memcpy(acc, a, sizeof(a));
+  } else {
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t d = 0; d < dim; ++d) acc[d] += w[i] * rows[i * stride + d];
+  }
+}
+
+// exp(x) for x <= 0 (scores minus their max), Cephes-style: 2^k * p(r), |rel err| < 2e-7.
+// Branch-free integer/float code that g++ turns into SIMD lanes (with -fno-trapping-math, which lets
+// it turn the clamp into a select; it changes no result and sets no FP mode, unlike -ffast-math).
+inline float exp_nonpos(float x) {
+  x = std::max(x, -87.0f);
+  const float round = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer, branch-free
+  const float k = (x * 1.44269504088896341f + round) - round;
+  const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+struct Shape {
+  int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, num_blocks;
+};
+
+// Per-thread scratch, float32: scores [heads][ctx], queries and accumulators [heads][dim], and one
+// block converted to float32 when the pool holds bf16/fp16.
+struct Scratch {
+  std::vector<float> scores, q, acc, inv_sum, block;
+  Scratch(int64_t heads, int64_t max_ctx, int64_t dim, int64_t block_size)
+      : scores(heads * max_ctx), q(heads * dim), acc(heads * dim), inv_sum(heads), block(block_size * heads * dim) {}
+};
+
+// One work item: kv heads [kv_begin, kv_end) of one sequence, i.e. query heads
+// [kv_begin * group, kv_end * group). With every kv head in one item each block is read front to back.
+template <typename T, int kDim>
+void decode_item(const T* query, const T* k_cache, const T* v_cache, const int32_t* block_table, int64_t ctx,
+                 const Shape& s, float scale, int64_t seq, int64_t kv_begin, int64_t kv_end, Scratch& buf, T* out) {
+  const int64_t group = s.num_heads / s.num_kv_heads, dim = kDim ? kDim : s.head_dim;
+  const int64_t num_kv = kv_end - kv_begin, heads = num_kv * group;
+  const int64_t row_stride = s.num_kv_heads * dim;  // between slots of one block
+  float *q = buf.q.data(), *acc = buf.acc.data(), *scores = buf.scores.data(), *inv_sum = buf.inv_sum.data();
+  const T* q_src = query + (seq * s.num_heads + kv_begin * group) * dim;
+  for (int64_t i = 0; i < heads * dim; ++i) q[i] = static_cast<float>(q_src[i]) * scale;
+
+  // Visits the first ctx slots block by block (no division per position), prefetching the next
+  // block: the rows of one item are short strided runs that the hardware prefetcher alone misses.
+  const int64_t span = num_kv * dim;  // values of one row that this item reads
+  auto for_each_block = [&](const T* cache, auto&& visit) {
+    auto block_start = [&](int64_t b) { return cache + (block_table[b] * s.block_size * s.num_kv_heads + kv_begin) * dim; };
+    for (int64_t start = 0, b = 0; start < ctx; start += s.block_size, ++b) {
+      TORCH_CHECK(block_table[b] >= 0 && block_table[b] < s.num_blocks, "paged_decode: block id out of range");
+      if (start + s.block_size < ctx) {
+        const char* next = reinterpret_cast<const char*>(block_start(b + 1));
+        for (int64_t i = 0; i < s.block_size; ++i)
+          for (int64_t off = 0; off < span * int64_t(sizeof(T)); off += 64)
+            __builtin_prefetch(next + (i * row_stride) * sizeof(T) + off);
+      }
+      const T* base = block_start(b);
+      const int64_t n = std::min(s.block_size, ctx - start);
+      if constexpr (std::is_same_v<T, float>) {
+        visit(start, n, base, row_stride);
+      } else {
+        float* rows = buf.block.data();
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t d = 0; d < span; ++d) rows[i * span + d] = static_cast<float>(base[i * row_stride + d]);
+        visit(start, n, rows, span);
+      }
+    }
+  };
+  for_each_block(k_cache, [&](int64_t start, int64_t n, const float* rows, int64_t stride) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* k = rows + h / group * dim;
+      for (int64_t i = 0; i < n; ++i) scores[h * ctx + start + i] = dot(q + h * dim, k + i * stride, dim);
+    }
+  });
+  for (int64_t h = 0; h < heads; ++h) {
+    float* sc = scores + h * ctx;
+    const float max = *std::max_element(sc, sc + ctx);
+    float sum = 0.f;  // >= 1: the max itself contributes exp(0)
+    for (int64_t p = 0; p < ctx; ++p) sc[p] = exp_nonpos(sc[p] - max);
+    for (int64_t p = 0; p < ctx; ++p) sum += sc[p];
+    inv_sum[h] = 1.f / sum;
+  }
+  std::fill(acc, acc + heads * dim, 0.f);
+  for_each_block(v_cache, [&](int64_t start, int64_t n, const float* rows, int64_t stride) {
+    for (int64_t h = 0; h < heads; ++h)
+      accumulate<kDim>(scores + h * ctx + start, rows + h / group * dim, stride, n, acc + h * dim, dim);
+  });
+  T* dst = out + (seq * s.num_heads + kv_begin * group) * dim;
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t d = 0; d < dim; ++d) dst[h * dim + d] = static_cast<T>(acc[h * dim + d] * inv_sum[h]);
+}
+
+template <typename T, int kDim>
+void decode_all(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, at::Tensor& out,
+                const Shape& s) {
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int64_t max_ctx = s.max_blocks * s.block_size;
+  const T *q = query.data_ptr<T>(), *k = k_cache.data_ptr<T>(), *v = v_cache.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  // Whole sequences per item when there are enough of them to keep every thread busy; else one
+  // item per (sequence, kv head) so that a small batch still spreads over the threads.
+  const bool whole = s.num_seqs >= 4 * at::get_num_threads();
+  const int64_t kv_per_item = whole ? s.num_kv_heads : 1, items_per_seq = s.num_kv_heads / kv_per_item;
+  const int64_t heads_per_item = kv_per_item * (s.num_heads / s.num_kv_heads);
+  at::parallel_for(0, s.num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+    Scratch buf(heads_per_item, max_ctx, s.head_dim, s.block_size);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / items_per_seq, kv_begin = item % items_per_seq * kv_per_item;
+      const int64_t ctx = std::min<int64_t>(lens[seq], max_ctx);  // never past the block table
+      TORCH_CHECK(ctx >= 1, "paged_decode: context_lens must be >= 1");
+      decode_item<T, kDim>(q, k, v, tables + seq * s.max_blocks, ctx, s, static_cast<float>(scale), seq, kv_begin,
+                           kv_begin + kv_per_item, buf, o);
+    }
+  });
+}
+
+// The common head sizes get a compile-time dim (fully unrolled inner loops); others a runtime one.
+template <typename T, typename... Args>
+void dispatch_dim(const at::Tensor& query, Args&&... args) {
+  switch (query.size(2)) {
+    case 64: decode_all<T, 64>(query, args...); break;
+    case 128: decode_all<T, 128>(query, args...); break;
+    default: decode_all<T, 0>(query, args...);
+  }
+}
+
+at::Tensor paged_decode(const at::Tensor& query_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(query_in.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV pool must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == query_in.scalar_type() && v_cache.scalar_type() == query_in.scalar_type(),
+              "query and KV pool must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
+              "block_tables and context_lens must be int32");
+  const at::Tensor query = query_in.contiguous();
+  const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
+  const Shape s{query.size(0), query.size(1), k_cache.size(2), k_cache.size(3), k_cache.size(1), tables.size(1),
+                k_cache.size(0)};
+  TORCH_CHECK(query.size(2) == s.head_dim && s.num_heads % s.num_kv_heads == 0, "head layout mismatch");
+  TORCH_CHECK(tables.size(0) == s.num_seqs && lens.numel() == s.num_seqs, "one block table and length per seq");
+  at::Tensor out = at::empty_like(query);
+  if (s.num_seqs == 0) return out;
+  switch (query.scalar_type()) {
+    case at::kFloat: dispatch_dim<float>(query, k_cache, v_cache, tables, lens, scale, out, s); break;
+    case at::kBFloat16: dispatch_dim<c10::BFloat16>(query, k_cache, v_cache, tables, lens, scale, out, s); break;
+    case at::kHalf: dispatch_dim<c10::Half>(query, k_cache, v_cache, tables, lens, scale, out, s); break;
+    default: TORCH_CHECK(false, "paged_decode: unsupported dtype ", query.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedserve_cpu, m) {
+  m.def("paged_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+        "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }

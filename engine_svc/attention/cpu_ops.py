@@ -1,0 +1,120 @@
+"""Builds and loads the C++ CPU attention kernels (cpu_kernels.cpp) on first use.
+
+The shared library is compiled with g++ straight against torch's headers and libraries (no
+ninja, no pybind: the op is registered with TORCH_LIBRARY and called as
+torch.ops.pagedserve_cpu.paged_decode). It is cached under $PAGEDSERVE_CACHE/torch_extensions
+(default ~/.cache/pagedserve/torch_extensions), keyed on the source, the flags, torch's version
+and the compiler's, and renamed into place atomically so concurrent processes never load a
+half-written file. Any failure logs one warning and `paged_decode_op()` answers None from then
+on: the caller keeps the pure-torch path. PAGEDSERVE_CPU_KERNELS=0 disables the kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("pagedserve.attention")
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+BASE_FLAGS = ["-std=c++17", "-O3", "-fPIC", "-shared", "-fopenmp", "-fno-trapping-math", "-Wno-unused-parameter"]
+ENV_SWITCH = "PAGEDSERVE_CPU_KERNELS"
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def enabled() -> bool:
+    """False when PAGEDSERVE_CPU_KERNELS is set to 0/false/off (read at each call, so tests can flip it)."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def paged_decode_op():
+    """torch.ops.pagedserve_cpu.paged_decode, or None when disabled or the build failed."""
+    return _load() if enabled() else None
+
+
+def decode_kernel_for(query, k_cache, v_cache, block_tables, context_lens):
+    """The kernel when it can serve these tensors (CPU, contiguous pool, one float dtype, int32
+    metadata), else None: the caller then runs the pure-torch path."""
+    if not (query.device.type == k_cache.device.type == v_cache.device.type == "cpu"
+            and query.dtype == k_cache.dtype == v_cache.dtype and query.dtype in KERNEL_DTYPES
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and block_tables.dtype == context_lens.dtype == torch.int32
+            and block_tables.device.type == context_lens.device.type == "cpu"):
+        return None
+    return paged_decode_op()
+
+
+@functools.cache
+def _load():
+    try:
+        library = build()
+        torch.ops.load_library(str(library))
+        return torch.ops.pagedserve_cpu.paged_decode
+    except Exception as exc:  # noqa: BLE001 - any failure means "use the torch path", never a crash
+        logger.warning("CPU attention kernels unavailable, using the pure-torch path: %s", exc)
+        return None
+
+
+def cpu_flags() -> list[str]:
+    """-mavx2 -mfma only when this CPU has them: the cache may be shared by another x86-64 CPU model,
+    so -march=native is avoided (the key below includes these flags)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= set(flags) else []
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PAGEDSERVE_CACHE") or str(Path.home() / ".cache" / "pagedserve")
+    return Path(root) / "torch_extensions"
+
+
+def build() -> Path:
+    """The path of the compiled library, compiling it when not cached."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++/c++) on PATH")
+    command = [compiler, *BASE_FLAGS, *cpu_flags(), *_torch_flags()]
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    digest = hashlib.sha256("\0".join([*command, version, torch.__version__]).encode() + SOURCE.read_bytes())
+    target = cache_dir() / f"pagedserve_cpu_{digest.hexdigest()[:20]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("compiling the CPU attention kernels (once, cached in %s)...", target.parent)
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="pagedserve-cpu-", dir=target.parent) as tmp:
+        out = Path(tmp) / "lib.so"
+        proc = subprocess.run([*command, str(SOURCE), "-o", str(out), *_torch_libs()], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"compiling {SOURCE.name} failed:\n{proc.stderr[-4000:]}")
+        os.replace(out, target)
+    logger.info("compiled the CPU attention kernels in %.0f s", time.monotonic() - start)
+    return target
+
+
+def _torch_flags() -> list[str]:
+    from torch.utils.cpp_extension import include_paths
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in include_paths())]
+
+
+def _torch_libs() -> list[str]:
+    lib_dir = Path(torch.__file__).parent / "lib"
+    # libgomp comes from torch's lib dir too (same soname), so one OpenMP runtime serves both
+    return [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-lc10", "-ltorch_cpu", "-ltorch"]
+
+
+__all__ = ["enabled", "paged_decode_op", "decode_kernel_for", "build", "cache_dir"]

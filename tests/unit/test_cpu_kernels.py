@@ -1,0 +1,166 @@
+"""The C++ CPU decode kernel (engine_svc/attention/cpu_kernels.cpp) against the pure-torch path.
+
+Every cache slot that no sequence wrote holds NaN (block 0 included), so a read past a context
+length shows up as NaN in the output; block tables are shuffled so blocks are not in pool order.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+
+import pytest
+import torch
+
+from engine_svc import EngineConfig, LLMEngine
+from engine_svc.attention import TorchAttentionBackend, cpu_ops, torch_backend
+from shared.protocol import SamplingParams
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                reason="no C++ compiler (g++/c++): the CPU kernels cannot be built")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    op = cpu_ops.paged_decode_op()
+    assert op is not None, "a C++ compiler exists but the CPU kernels did not build (see the warning above)"
+    return op
+
+
+def make_pool(context_lens, block_size, num_kv_heads, head_dim, seed, dtype=torch.float32):
+    """A NaN pool holding each sequence's random K/V in shuffled blocks, plus spare padding columns."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + 8  # some blocks stay unused (NaN), like block 0
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.full(shape, math.nan, dtype=dtype), torch.full(shape, math.nan, dtype=dtype)
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    block_tables = torch.zeros(len(context_lens), max(blocks_per_seq) + 2, dtype=torch.int32)
+    for s, (n, nb) in enumerate(zip(context_lens, blocks_per_seq)):
+        blocks = torch.tensor([free.pop() for _ in range(nb)])
+        block_tables[s, :nb] = blocks
+        pos = torch.arange(n)
+        slots = blocks[pos // block_size] * block_size + pos % block_size
+        for cache in (k_cache, v_cache):
+            cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+    return k_cache, v_cache, block_tables
+
+
+def ragged_lens(block_size, seed):
+    """1, the 1100 maximum, exact block multiples and one past them, and random lengths in between."""
+    gen = torch.Generator().manual_seed(seed)
+    return [1, 1100, 3 * block_size, 3 * block_size + 1, block_size - 1] + torch.randint(2, 1100, (5,), generator=gen).tolist()
+
+
+def reference_decode(monkeypatch, *args):
+    monkeypatch.setenv(cpu_ops.ENV_SWITCH, "0")
+    try:
+        return TorchAttentionBackend().paged_decode(*args)
+    finally:
+        monkeypatch.delenv(cpu_ops.ENV_SWITCH)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
+def test_kernel_matches_torch_path(kernel, monkeypatch, block_size, head_dim, num_heads, num_kv_heads):
+    lens = ragged_lens(block_size, seed=block_size + head_dim)
+    k_cache, v_cache, block_tables = make_pool(lens, block_size, num_kv_heads, head_dim, seed=head_dim)
+    query = torch.randn(len(lens), num_heads, head_dim)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    args = (query, k_cache, v_cache, block_tables, context_lens, head_dim**-0.5)
+    out = kernel(*args)
+    assert out.shape == query.shape and out.dtype == query.dtype and not out.isnan().any()
+    torch.testing.assert_close(out, reference_decode(monkeypatch, *args), rtol=1e-5, atol=1e-6)
+
+
+def test_kernel_head_size_without_specialisation(kernel, monkeypatch):
+    lens = [1, 17, 40, 333]
+    k_cache, v_cache, block_tables = make_pool(lens, 16, 2, 40, seed=5)
+    args = (torch.randn(4, 6, 40), k_cache, v_cache, block_tables, torch.tensor(lens, dtype=torch.int32), 0.2)
+    torch.testing.assert_close(kernel(*args), reference_decode(monkeypatch, *args), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_pool_accumulates_in_float32(kernel, dtype):
+    lens = [5, 300, 1100]
+    k_cache, v_cache, block_tables = make_pool(lens, 16, 3, 64, seed=9, dtype=dtype)
+    query = torch.randn(3, 9, 64).to(dtype)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    out = kernel(query, k_cache, v_cache, block_tables, context_lens, 0.125)
+    assert out.dtype == dtype
+    expected = kernel(query.float(), k_cache.float(), v_cache.float(), block_tables, context_lens, 0.125)
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)  # one rounding of the output
+
+
+def test_prefill_decode_rows_use_the_kernel_and_match(kernel, monkeypatch):
+    lens, q_lens = [30, 500, 9, 77], [7, 1, 9, 1]  # rows 1 and 3 are decode rows inside a prefill batch
+    k_cache, v_cache, block_tables = make_pool(lens, 16, 2, 64, seed=3)
+    query = torch.randn(sum(q_lens), 6, 64)
+    query_start_loc = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    args = (query, k_cache, v_cache, block_tables, query_start_loc, torch.tensor(lens, dtype=torch.int32), 0.125)
+    calls = spy_kernel_calls(monkeypatch)
+    out = TorchAttentionBackend().paged_prefill(*args)
+    assert calls == [2]
+    monkeypatch.setenv(cpu_ops.ENV_SWITCH, "0")
+    torch.testing.assert_close(out, TorchAttentionBackend().paged_prefill(*args), rtol=1e-5, atol=1e-6)
+
+
+def spy_kernel_calls(monkeypatch) -> list[int]:
+    """Records the batch size of every call that the backend hands to the kernel."""
+    calls: list[int] = []
+    real = torch_backend.decode_kernel_for
+
+    def spy(query, *rest):
+        op = real(query, *rest)
+        if op is not None:
+            calls.append(query.shape[0])
+        return op
+
+    monkeypatch.setattr(torch_backend, "decode_kernel_for", spy)
+    return calls
+
+
+def test_engine_greedy_tokens_same_with_kernel_on_and_off(kernel, monkeypatch, tiny_llama_dir):
+    prompts = [list(range(3, 3 + n)) for n in (1, 5, 40, 130, 17, 300)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    tokens = {}
+    calls = spy_kernel_calls(monkeypatch)
+    for switch in ("1", "0"):
+        monkeypatch.setenv(cpu_ops.ENV_SWITCH, switch)
+        engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", block_size=16,
+                                        kv_cache_memory=16 << 20, max_num_batched_tokens=128))
+        tokens[switch] = [r.outputs[0].token_ids for r in engine.generate(prompts, params)]
+        if switch == "1":
+            assert calls, "the engine never used the kernel"
+    assert tokens["1"] == tokens["0"]
+
+
+def test_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
+    def broken_build():
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(cpu_ops, "build", broken_build)
+    with caplog.at_level(logging.WARNING, logger="pagedserve.attention"):
+        assert cpu_ops._load.__wrapped__() is None
+    assert [r.levelno for r in caplog.records] == [logging.WARNING] and "no compiler here" in caplog.text
+
+
+def test_switch_and_unsupported_inputs_keep_the_torch_path(kernel, monkeypatch):
+    q, pool = torch.randn(2, 4, 64), torch.zeros(4, 16, 2, 64)
+    meta = (torch.ones(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32))
+    assert cpu_ops.decode_kernel_for(q, pool, pool, *meta) is kernel
+    assert cpu_ops.decode_kernel_for(q, pool[:, :8], pool[:, :8], *meta) is None  # non-contiguous pool
+    assert cpu_ops.decode_kernel_for(q.double(), pool.double(), pool.double(), *meta) is None
+    assert cpu_ops.decode_kernel_for(q, pool, pool, meta[0].long(), meta[1]) is None
+    monkeypatch.setenv(cpu_ops.ENV_SWITCH, "0")
+    assert cpu_ops.decode_kernel_for(q, pool, pool, *meta) is None
+
+
+def test_bad_metadata_raises_instead_of_reading_outside_the_pool(kernel):
+    q, pool = torch.randn(1, 2, 64), torch.zeros(4, 16, 2, 64)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        kernel(q, pool, pool, torch.tensor([[7]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="context_lens"):
+        kernel(q, pool, pool, torch.tensor([[1]], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), 1.0)
