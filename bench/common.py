@@ -45,8 +45,23 @@ def machine_lines() -> list[str]:
         f"machine: nproc={len(os.sched_getaffinity(0))} cpu={cpu_model()!r} torch_threads={torch.get_num_threads()} "
         f"load_avg={load} {env}",
         f"software: python {platform.python_version()}, torch {torch.__version__}, "
-        f"transformers {transformers.__version__}",
+        f"transformers {transformers.__version__}, pagedserve {_git_revision()}",
     ]
+
+
+def _git_revision() -> str:
+    """The checkout's commit, with '+dirty' when tracked files differ from it (read-only git)."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+
+    try:
+        rev = git("rev-parse", "--short", "HEAD")
+        return (rev + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")) or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def print_header(title: str) -> None:

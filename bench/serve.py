@@ -26,8 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (OUT_DIR, Progress, make_workload, percentile, print_header, print_table, pyplot,  # noqa: E402
-                    resolve_bench_model, save_figure, target)
+from common import (OUT_DIR, Progress, make_workload, model_shape, percentile, print_header, print_table,  # noqa: E402
+                    pyplot, resolve_bench_model, save_figure, target)
 from loadgen import ROW_HEADER, Result, Spec, Summary, run_closed_loop, summarize  # noqa: E402
 from stack import (StreamTap, hop_latencies, pagedserve_server, process_cpu, renice_service,  # noqa: E402
                    transformers_server)
@@ -221,11 +221,46 @@ def report(part1: list[Summary], hops, cpu: dict[str, float], part2: list[Summar
 
 
 # ---------------------------------------------------------------------------- main
-def main(argv=None) -> int:
+def run_stack(args, model_dir: Path, cfg: dict, id_specs: list[Spec], text_specs: list[Spec], levels: list[int]):
+    """`pagedserve serve` against a redis-server of our own: part 1 (with the stream tap), then part 2."""
     from shared.redis_server import RedisServer, free_port
-    from transformers import AutoTokenizer
 
-    from common import model_shape
+    with RedisServer() as redis_server:
+        port = args.port or free_port()
+        server = pagedserve_server(model_dir, port, redis_server.url, engine_flags(cfg), OUT_DIR / "serve-pagedserve.log")
+        print(f"   stack: {server.command}", flush=True)
+        url = f"http://127.0.0.1:{port}"
+        with server:
+            server.start(timeout_s=900)
+            model_name = _served_model(url)
+            run_closed_loop(url, model_name, [Spec(id_specs[0].prompt[:8], 2)], 1)  # warm-up
+            if args.engine_nice:
+                pids = renice_service(server.proc.pid, "engine_svc", args.engine_nice)
+                print(f"   reniced engine_svc pids {pids} to {args.engine_nice}", flush=True)
+            tap = StreamTap(redis_server.url).start()
+            res, secs, hops, cpu = stack_part1(url, model_name, id_specs, args, tap,
+                                               [server.proc.pid, redis_server.process.pid])
+            part2 = run_levels("pagedserve", url, model_name, text_specs, levels, args,
+                               {"ignore_eos": True, "stream_options": {"include_usage": True}})
+    return summarize("pagedserve stack", args.concurrency, res, secs), hops, cpu, part2
+
+
+def run_transformers(args, model_dir: Path, num_blocks: int, text_specs: list[Spec], levels: list[int]):
+    from shared.redis_server import free_port
+
+    port = free_port()
+    server = transformers_server(model_dir, port, block_size=BLOCK_SIZE, num_blocks=num_blocks,
+                                 max_batch_tokens=args.max_num_batched_tokens, log_path=OUT_DIR / "serve-transformers.log")
+    print(f"   peer: HF_HUB_OFFLINE=1 {server.command}", flush=True)
+    url = f"http://127.0.0.1:{port}"
+    with server:
+        server.start(timeout_s=900)
+        run_closed_loop(url, str(model_dir), [Spec("Hello", 2)], 1, extra=transformers_extra())  # warm-up
+        return run_levels("transformers serve", url, str(model_dir), text_specs, levels, args, transformers_extra())
+
+
+def main(argv=None) -> int:
+    from transformers import AutoTokenizer
 
     args = parse_args(argv)
     print_header("bench/serve.py: pagedserve stack vs in-process engine vs transformers serve")
@@ -250,35 +285,10 @@ def main(argv=None) -> int:
         part1.append(summarize("in-process LLMEngine", args.concurrency, res, secs))
         gc.collect()
     if "stack" not in args.skip:
-        with RedisServer() as redis_server:
-            port = args.port or free_port()
-            server = pagedserve_server(model_dir, port, redis_server.url, engine_flags(cfg), OUT_DIR / "serve-pagedserve.log")
-            print(f"   stack: {server.command}", flush=True)
-            url = f"http://127.0.0.1:{port}"
-            with server:
-                server.start(timeout_s=900)
-                model_name = _served_model(url)
-                run_closed_loop(url, model_name, [Spec(id_specs[0].prompt[:8], 2)], 1)  # warm-up
-                if args.engine_nice:
-                    print(f"   reniced engine_svc pids {renice_service(server.proc.pid, 'engine_svc', args.engine_nice)}"
-                          f" to {args.engine_nice}", flush=True)
-                tap = StreamTap(redis_server.url).start()
-                res, secs, hops, cpu = stack_part1(url, model_name, id_specs, args, tap,
-                                                   [server.proc.pid, redis_server.process.pid])
-                part1.append(summarize("pagedserve stack", args.concurrency, res, secs))
-                part2 += run_levels("pagedserve", url, model_name, text_specs, levels, args,
-                                    {"ignore_eos": True, "stream_options": {"include_usage": True}})
+        stack, hops, cpu, part2 = run_stack(args, model_dir, cfg, id_specs, text_specs, levels)
+        part1.append(stack)
     if "transformers" not in args.skip and levels:
-        port = free_port()
-        server = transformers_server(model_dir, port, block_size=BLOCK_SIZE, num_blocks=num_blocks,
-                                     max_batch_tokens=args.max_num_batched_tokens, log_path=OUT_DIR / "serve-transformers.log")
-        print(f"   peer: HF_HUB_OFFLINE=1 {server.command}", flush=True)
-        url = f"http://127.0.0.1:{port}"
-        with server:
-            server.start(timeout_s=900)
-            run_closed_loop(url, str(model_dir), [Spec("Hello", 2)], 1, extra=transformers_extra())  # warm-up
-            part2 += run_levels("transformers serve", url, str(model_dir), text_specs, levels, args,
-                                transformers_extra())
+        part2 += run_transformers(args, model_dir, num_blocks, text_specs, levels)
     figures = report(part1, hops, cpu, part2, levels)
     plot(part1, part2, f"serve-{Path(args.model).name}.png")
     if args.json:
