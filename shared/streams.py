@@ -43,22 +43,25 @@ def _check_block(block_ms: int | None) -> int | None:
     return block_ms
 
 
-def blocking_client(client: redis.Redis, block_ms: int = 60_000) -> redis.Redis:
-    """A client on its own pool, same server, whose socket timeout outlasts any block we issue."""
+def _outlasting(client, block_ms: int) -> dict:
+    """The client's connection settings, with a socket timeout that outlasts a block_ms wait."""
     kwargs = dict(client.connection_pool.connection_kwargs)
     timeout = kwargs.get("socket_timeout")
     if timeout is not None:
         kwargs["socket_timeout"] = max(timeout, block_ms / 1000 + 5)
-    pool = redis.ConnectionPool(connection_class=client.connection_pool.connection_class, **kwargs)
+    return kwargs
+
+
+def blocking_client(client: redis.Redis, block_ms: int = 60_000) -> redis.Redis:
+    """A client on its own pool, same server, whose socket timeout outlasts any block we issue."""
+    pool = redis.ConnectionPool(connection_class=client.connection_pool.connection_class,
+                                **_outlasting(client, block_ms))
     return redis.Redis(connection_pool=pool)
 
 
 def async_blocking_client(client: aioredis.Redis, block_ms: int = 60_000) -> aioredis.Redis:
-    kwargs = dict(client.connection_pool.connection_kwargs)
-    timeout = kwargs.get("socket_timeout")
-    if timeout is not None:
-        kwargs["socket_timeout"] = max(timeout, block_ms / 1000 + 5)
-    pool = aioredis.ConnectionPool(connection_class=client.connection_pool.connection_class, **kwargs)
+    pool = aioredis.ConnectionPool(connection_class=client.connection_pool.connection_class,
+                                   **_outlasting(client, block_ms))
     return aioredis.Redis(connection_pool=pool)
 
 
