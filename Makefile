@@ -31,8 +31,9 @@ test-fast: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench: setup
-	$(BIN)/python bench/throughput.py
-	$(BIN)/python bench/prefix.py
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python bench/throughput.py
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python bench/prefix.py
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python bench/serve.py --num-requests 64 --max-output 128 --requests-per-level 1
 
 gpu:
 	$(BIN)/python -m pip install -q -e '.[gpu]'
