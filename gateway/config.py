@@ -14,8 +14,9 @@ from pathlib import PurePath
 from shared.config import GatewayConfig
 from shared.models import GGUF_FILE
 
-# the default model's folder is named after its GGUF: the same name whether or not --model is given
-DEFAULT_MODEL_NAME = PurePath(GGUF_FILE).stem
+# the default model keeps its plain name, whether or not --model names its cache folder
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_FOLDER = PurePath(GGUF_FILE).stem  # the converted folder is named after the GGUF
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,7 +35,8 @@ def served_model_name(config: GatewayConfig) -> str:
     if config.served_model_name:
         return config.served_model_name
     if config.model:
-        return PurePath(config.model.rstrip("/")).name or config.model
+        name = PurePath(config.model.rstrip("/")).name or config.model
+        return DEFAULT_MODEL_NAME if name == _DEFAULT_FOLDER else name
     return DEFAULT_MODEL_NAME
 
 

@@ -67,9 +67,6 @@ def serve_parser() -> argparse.ArgumentParser:
     return p
 
 
-DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
-
-
 def _resolve_model(model: str | None) -> str:
     if model is not None and os.path.isdir(model):
         return os.path.abspath(model)
@@ -84,9 +81,8 @@ def build_children(args: argparse.Namespace, redis_url: str, model: str) -> list
         common += ["--max-model-len", str(args.max_model_len)]
     shards = ["--num-detok-shards", str(args.detokenizers)]
     gateway = ["--host", args.host, "--port", str(args.port)]
-    served_name = args.served_model_name or (DEFAULT_SERVED_NAME if args.model is None else None)
-    if served_name:
-        gateway += ["--served-model-name", served_name]
+    if args.served_model_name:
+        gateway += ["--served-model-name", args.served_model_name]
     children = [Child("gateway", ["gateway", *common, *shards, *gateway])]
     children += [Child(f"tokenizer-{i}", ["tokenizer_svc", *common, "--service-id", f"tokenizer-{i}"])
                  for i in range(args.tokenizers)]
