@@ -50,6 +50,9 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None
+    use_beam_search: bool = False  # vLLM's extra: n beams, returned when the search ends
+    length_penalty: float = 1.0
+    early_stopping: bool = False
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The SamplingParams this request asks for, validated (raises ProtocolError)."""
@@ -75,6 +78,9 @@ class _SamplingFields(_Request):
             logit_bias=_logit_bias(self.logit_bias),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            use_beam_search=self.use_beam_search,
+            length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
         )
         return params.validate()
 

@@ -215,3 +215,14 @@ def test_tokenize_and_detokenize(stack, tiny_engine):
     assert chat["tokens"] == chat_ids(tiny_engine, "Say something.")
     bad = http.post(stack.base_url + "/detokenize", json={"model": "tiny", "tokens": [10**9]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_beam_search_equals_the_in_process_engine(client, tiny_engine):
+    params = SamplingParams(n=3, use_beam_search=True, temperature=0.0, max_tokens=8, length_penalty=0.5)
+    expected = tiny_engine.generate([PROMPTS[1]], params)[0].outputs
+    resp = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=8, n=3, temperature=0,
+                                     extra_body={"use_beam_search": True, "length_penalty": 0.5})
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert [c.text for c in resp.choices] == [e.text for e in expected]
+    assert len({c.text for c in resp.choices}) == 3  # three distinct beams, best first
+    assert resp.usage.completion_tokens == sum(len(e.token_ids) for e in expected)
