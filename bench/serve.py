@@ -113,7 +113,7 @@ def stack_part1(server_url: str, model: str, specs: list[Spec], args, tap: Strea
                                        time_limit_s=args.time_limit, progress=progress)
     cpu1, self1 = process_cpu(pids), _self_cpu()
     cpu = {k: v - cpu0.get(k, 0.0) for k, v in cpu1.items()}
-    cpu["bench client (httpx)"] = self1 - self0
+    cpu["bench client"] = self1 - self0
     time.sleep(0.5)  # let the tap read the last entries
     tap.stop()
     return results, seconds, hop_latencies(tap, results), cpu

@@ -109,6 +109,7 @@ class StreamTap:
 def _tap_main(redis_url: str, prefix: str, num_shards: int, out_path: str) -> None:
     import redis
 
+    from shared.entries import payloads
     from shared.protocol import RequestOutput, TokenDelta, decode
 
     client = redis.Redis.from_url(redis_url, socket_timeout=10)
@@ -123,11 +124,11 @@ def _tap_main(redis_url: str, prefix: str, num_shards: int, out_path: str) -> No
             for entry_id, fields in entries:
                 streams[stream.decode()] = entry_id.decode()
                 ms = int(entry_id.split(b"-")[0])
-                msg = decode(fields[b"m"])
-                if isinstance(msg, TokenDelta) and msg.new_token_ids:
-                    deltas[msg.request_id].append((msg.seq, ms, len(msg.new_token_ids)))
-                elif isinstance(msg, RequestOutput) and msg.text_delta:
-                    outputs[msg.request_id].append((msg.seq, ms))
+                for msg in map(decode, payloads(fields)):
+                    if isinstance(msg, TokenDelta) and msg.new_token_ids:
+                        deltas[msg.request_id].append((msg.seq, ms, len(msg.new_token_ids)))
+                    elif isinstance(msg, RequestOutput) and msg.text_delta:
+                        outputs[msg.request_id].append((msg.seq, ms))
     Path(out_path).write_text(json.dumps({"deltas": deltas, "outputs": outputs}))
 
 

@@ -1,9 +1,12 @@
 """Per-request detokenization state: TokenDelta in, RequestOutput (and Abort on a stop string) out.
 
-Pure logic over a tokenizer; ``service.py`` feeds it stream entries. Each request keeps the
-ids of the entries that carried its deltas, so the service acks them only once the request
-has finished: a restarted shard replays them and rebuilds the same outputs with the same
-``seq`` (the gateway drops what it already has). Deltas are idempotent on (request_id, index, seq).
+Pure logic over a tokenizer; ``service.py`` feeds it stream entries. An entry carries the
+deltas of many requests (one engine step's), so each entry counts the unfinished requests it
+holds deltas of, and the service acks it only when that count is zero (``take_ackable``): a
+restarted shard replays what is pending and rebuilds the same outputs with the same ``seq``
+(the gateway drops what it already has). A request that finished before the crash but shared
+an entry with one that had not is replayed partly; it never finishes and ``expire`` drops it.
+Deltas are idempotent on (request_id, index, seq).
 """
 
 from __future__ import annotations
@@ -62,51 +65,72 @@ class DetokProcessor:
         self.names = names
         self.requests: dict[str, _Request] = {}
         self.finished: OrderedDict[str, None] = OrderedDict()  # recently finished ids: late deltas are dropped
+        self.holders: dict[str, int] = {}  # entry id -> unfinished requests with deltas in it
+        self._touched: dict[str, None] = {}  # entries seen or released since the last take_ackable()
 
-    def process(self, entry_id: str, delta: TokenDelta) -> tuple[list[tuple[str, Message]], list[str]]:
-        """(messages to send, entry ids that may be acked now) for one delta."""
+    def process(self, entry_id: str, delta: TokenDelta) -> list[tuple[str, Message]]:
+        """The messages to send for one delta."""
+        self._touched[entry_id] = None
         request = self._request_for(delta)
         if request is None:
-            return [], [entry_id]
-        request.entry_ids.append(entry_id)
+            return []
+        if not request.entry_ids or request.entry_ids[-1] != entry_id:
+            request.entry_ids.append(entry_id)
+            self.holders[entry_id] = self.holders.get(entry_id, 0) + 1
         request.last_seen = time.monotonic()
         out = self._apply(request, delta)
         if not request.is_finished:
-            return out, []
-        del self.requests[delta.request_id]
-        self._remember_finished(delta.request_id)
+            return out
+        self._drop(delta.request_id)
         if any(c.stopped_here for c in request.choices.values()):
             out.append((self.names.engine_ctl, Abort(request_ids=(delta.request_id,), reason="stop")))
-        return out, request.entry_ids
+        return out
 
-    def fail(self, entry_id: str, request_id: str, exc: Exception) -> tuple[list[tuple[str, Message]], list[str]]:
+    def take_ackable(self) -> list[str]:
+        """Entries touched since the last call that no unfinished request holds any more. Call it
+        after a whole read: an entry's later deltas may still start holding it."""
+        ackable = [e for e in self._touched if e not in self.holders]
+        self._touched.clear()
+        return ackable
+
+    def fail(self, entry_id: str, request_id: str, exc: Exception) -> list[tuple[str, Message]]:
         """Drop a request whose delta could not be processed: its gateway gets a 500, the engine an
-        Abort (which frees its blocks), and all its entries may be acked."""
-        request = self.requests.pop(request_id, None)
-        self._remember_finished(request_id)
+        Abort (which frees its blocks), and its entries are released."""
+        self._touched[entry_id] = None
+        request = self._drop(request_id)
         out: list[tuple[str, Message]] = [(self.names.engine_ctl, Abort(request_ids=(request_id,), reason="error"))]
-        if request is None:
-            return out, [entry_id]
-        error = ErrorInfo(message=f"detokenizer error: {type(exc).__name__}", type="InternalServerError", code=500)
-        out.append((request.reply_to, RequestOutput(request_id=request_id, finish_reason=FinishReason.ERROR,
-                                                    error=error, num_choices=request.num_choices)))
-        return out, [*request.entry_ids, entry_id]
+        if request is not None:
+            error = ErrorInfo(message=f"detokenizer error: {type(exc).__name__}", type="InternalServerError",
+                              code=500)
+            out.append((request.reply_to, RequestOutput(request_id=request_id, finish_reason=FinishReason.ERROR,
+                                                        error=error, num_choices=request.num_choices)))
+        return out
 
-    def expire(self, max_idle_s: float) -> tuple[list[tuple[str, Message]], list[str]]:
+    def expire(self, max_idle_s: float) -> list[tuple[str, Message]]:
         """Give up on requests that got no delta for ``max_idle_s`` (their engine died): each
         gateway gets a 503, and the entries are released."""
         now = time.monotonic()
         out: list[tuple[str, Message]] = []
-        acks: list[str] = []
         for request_id in [r for r, q in self.requests.items() if now - q.last_seen > max_idle_s]:
-            request = self.requests.pop(request_id)
-            self._remember_finished(request_id)
+            request = self._drop(request_id)
             error = ErrorInfo(message="the engine stopped answering for this request", type="ServiceUnavailableError",
                               code=503)
             out.append((request.reply_to, RequestOutput(request_id=request_id, finish_reason=FinishReason.ERROR,
                                                         error=error, num_choices=request.num_choices)))
-            acks += request.entry_ids
-        return out, acks
+        return out
+
+    def _drop(self, request_id: str) -> _Request | None:
+        """Forget a request (finished or given up on) and release its hold on its entries."""
+        request = self.requests.pop(request_id, None)
+        self._remember_finished(request_id)
+        for entry_id in request.entry_ids if request is not None else ():
+            self._touched[entry_id] = None
+            left = self.holders[entry_id] - 1
+            if left:
+                self.holders[entry_id] = left
+            else:
+                del self.holders[entry_id]
+        return request
 
     def _request_for(self, delta: TokenDelta) -> _Request | None:
         request = self.requests.get(delta.request_id)

@@ -37,7 +37,8 @@ class DetokService:
         self.config = config
         self.client = client or connect(config.bus.redis_url)
         names = config.bus.names
-        self.to_gateway = Producer(self.client, config.bus.maxlen)  # and Aborts to the engines
+        # one entry per gateway and read: each reply stream (and engine ctl) has no competing readers
+        self.to_gateway = Producer(self.client, config.bus.maxlen, batch=True)  # and Aborts to the engines
         self.from_engine = GroupReader(self.client, names.detok_in(config.shard), GROUP_DETOK,
                                        f"shard-{config.shard}", claim_idle_ms=None, dlq=names.dlq,
                                        producer=self.to_gateway, accept=(TokenDelta,))
@@ -63,22 +64,19 @@ class DetokService:
 
     def run_once(self, block_ms: int | None) -> int:
         envelopes = self.from_engine.read(count=self.config.batch_size, block_ms=block_ms)
-        outgoing, done = [], []
+        outgoing = []
         for env in envelopes:
             try:
-                messages, ackable = self.processor.process(env.id, env.msg)
+                outgoing += self.processor.process(env.id, env.msg)
             except Exception as exc:  # never crash-loop on one bad delta: fail its request instead
                 log.exception("delta %s of %s failed", env.id, env.msg.request_id)
-                messages, ackable = self.processor.fail(env.id, env.msg.request_id, exc)
-            outgoing += messages
-            done += ackable
+                outgoing += self.processor.fail(env.id, env.msg.request_id, exc)
         if time.monotonic() >= self._next_expiry:
             self._next_expiry = time.monotonic() + 10.0
-            expired, released = self.processor.expire(self.config.request_idle_timeout_s)
-            outgoing += expired
-            done += released
+            outgoing += self.processor.expire(self.config.request_idle_timeout_s)
         self.to_gateway.send_many(outgoing)
-        self.from_engine.ack(done)  # only entries of finished requests: the rest replay after a crash
+        # only entries no unfinished request holds: the rest replay after a crash
+        self.from_engine.ack(self.processor.take_ackable())
         self.num_outputs += len(outgoing)
         self.heartbeat.beat(self.stats())
         return len(envelopes)

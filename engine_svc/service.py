@@ -61,7 +61,8 @@ class EngineService:
         self.engine = engine
         self.client = client or connect(config.bus.redis_url)
         self.names = names = config.bus.names
-        self.to_detok = Producer(self.client, config.bus.maxlen)  # and errors to gateways
+        # one entry per detok shard and step: a shard has one reader (and gateways read their own)
+        self.to_detok = Producer(self.client, config.bus.maxlen, batch=True)  # and errors to gateways
         self.from_tokenizer = GroupReader(self.client, names.engine_in, GROUP_ENGINE, config.service_id,
                                           claim_idle_ms=config.claim_idle_ms, dlq=names.dlq,
                                           producer=self.to_detok, accept=(EngineRequest,))

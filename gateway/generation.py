@@ -106,8 +106,11 @@ class Generation:
         return self.choices
 
     async def _next(self) -> object:
+        if not self.queue.empty():  # the hot path while streaming: no timer, no task
+            return self.queue.get_nowait()
         try:
-            return await asyncio.wait_for(self.queue.get(), self.idle_timeout_s)
+            async with asyncio.timeout(self.idle_timeout_s):
+                return await self.queue.get()
         except TimeoutError:
             raise APIError(503, f"no reply from the serving stack within {self.idle_timeout_s:g}s") from None
 

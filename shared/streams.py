@@ -1,8 +1,10 @@
 """The Redis Streams bus: producers, consumer-group readers and plain readers (sync and asyncio).
 
-Every entry holds one message in field ``m`` (``Message.to_wire()``). Writers trim with
-``MAXLEN ~``. A ``GroupReader`` never hands its caller an undecodable message: it answers the
-message's ``reply_to`` with an error when it can, copies it to the dead-letter stream and acks it.
+An entry holds the messages one send put on one stream (``shared/entries.py``); readers hand
+out one Envelope per message, carrying its entry's id. Writers trim with ``MAXLEN ~``. A
+``GroupReader`` never hands its caller an undecodable message: it answers the message's
+``reply_to`` with an error when it can and copies it to the dead-letter stream; an entry with
+nothing valid left is acked at once.
 Blocking reads run on a connection of their own whose socket timeout outlasts the block.
 """
 
@@ -16,18 +18,19 @@ from typing import Iterable
 import redis
 import redis.asyncio as aioredis
 
+from shared import entries
 from shared.dead_letters import dead_letter
 from shared.protocol import Message, ProtocolError, decode
 
 log = logging.getLogger(__name__)
 
-FIELD = b"m"
+FIELD = entries.FIELD
 DEFAULT_MAXLEN = 100_000
 
 
 @dataclass(frozen=True, slots=True)
 class Envelope:
-    """One stream entry: its id and the validated message it carried."""
+    """One message of a stream entry: the entry's id and the validated message."""
 
     id: str
     msg: Message
@@ -83,22 +86,27 @@ def async_connect(redis_url: str, **kwargs) -> aioredis.Redis:
 
 
 class Producer:
-    """Writes messages to streams: one XADD per message, batches pipelined, every XADD trimmed."""
+    """Writes messages to streams, every XADD trimmed and a send's XADDs pipelined. ``batch``:
+    a send's messages for one stream share one entry (for streams without competing readers)."""
 
-    def __init__(self, client: redis.Redis, maxlen: int = DEFAULT_MAXLEN):
+    def __init__(self, client: redis.Redis, maxlen: int = DEFAULT_MAXLEN, *, batch: bool = False):
         self.client = client
         self.maxlen = maxlen
+        self.batch = batch
 
     def send(self, stream: str, msg: Message) -> str:
         return _id(self.client.xadd(stream, {FIELD: msg.to_wire()}, maxlen=self.maxlen, approximate=True))
 
     def send_many(self, items: Iterable[tuple[str, Message]]) -> list[str]:
-        items = list(items)
-        if not items:
+        """The ids of the entries written (batched: one per stream, not per message)."""
+        packed = entries.pack(items, self.batch)
+        if not packed:
             return []
+        if len(packed) == 1:
+            return [_id(self.client.xadd(packed[0][0], packed[0][1], maxlen=self.maxlen, approximate=True))]
         pipe = self.client.pipeline(transaction=False)
-        for stream, msg in items:
-            pipe.xadd(stream, {FIELD: msg.to_wire()}, maxlen=self.maxlen, approximate=True)
+        for stream, fields in packed:
+            pipe.xadd(stream, fields, maxlen=self.maxlen, approximate=True)
         return [_id(x) for x in pipe.execute()]
 
     def send_raw(self, stream: str, fields: dict) -> str:
@@ -109,27 +117,38 @@ class Producer:
 class AsyncProducer:
     """Producer over redis.asyncio, for the gateway."""
 
-    def __init__(self, client: aioredis.Redis, maxlen: int = DEFAULT_MAXLEN):
+    def __init__(self, client: aioredis.Redis, maxlen: int = DEFAULT_MAXLEN, *, batch: bool = False):
         self.client = client
         self.maxlen = maxlen
+        self.batch = batch
 
     async def send(self, stream: str, msg: Message) -> str:
         return _id(await self.client.xadd(stream, {FIELD: msg.to_wire()}, maxlen=self.maxlen, approximate=True))
 
     async def send_many(self, items: Iterable[tuple[str, Message]]) -> list[str]:
-        items = list(items)
-        if not items:
+        packed = entries.pack(items, self.batch)
+        if not packed:
             return []
         pipe = self.client.pipeline(transaction=False)
-        for stream, msg in items:
-            pipe.xadd(stream, {FIELD: msg.to_wire()}, maxlen=self.maxlen, approximate=True)
+        for stream, fields in packed:
+            pipe.xadd(stream, fields, maxlen=self.maxlen, approximate=True)
         return [_id(x) for x in await pipe.execute()]
 
 
-def _decode_entry(fields: dict | None) -> Message:
-    if not fields or FIELD not in fields:
-        raise ProtocolError("entry has no 'm' field")
-    return decode(fields[FIELD])
+def _decode_entry(stream: str, entry_id: str, fields: dict | None) -> list[Envelope]:
+    """A plain reader's view of an entry: its valid messages; the rest are logged and skipped."""
+    try:
+        wires = entries.payloads(fields)
+    except ProtocolError as exc:
+        log.warning("%s: skipping invalid entry %s: %s", stream, entry_id, exc.message)
+        return []
+    out = []
+    for wire in wires:
+        try:
+            out.append(Envelope(entry_id, decode(wire)))
+        except ProtocolError as exc:
+            log.warning("%s: skipping an invalid message of entry %s: %s", stream, entry_id, exc.message)
+    return out
 
 
 # --------------------------------------------------------------------------- group reader
@@ -241,10 +260,11 @@ class GroupReader:
         if gone:
             self.client.xack(self.stream, self.group, *gone)
 
-    def _accept(self, entries: list) -> list[Envelope]:
-        """Decode entries; refused ones are dead-lettered and acked here, never returned."""
+    def _accept(self, raw_entries: list) -> list[Envelope]:
+        """Decode entries; refused messages are dead-lettered here and never returned, and an
+        entry left with no valid message is acked."""
         out, refused = [], []
-        for entry_id, fields in entries:
+        for entry_id, fields in raw_entries:
             if entry_id is None:
                 continue
             entry_id = _id(entry_id)
@@ -252,19 +272,32 @@ class GroupReader:
                 refused.append(entry_id)
                 continue
             try:
-                msg = _decode_entry(fields)
-                if self.accept is not None and not isinstance(msg, self.accept):
-                    raise ProtocolError(f"{type(msg).__name__} does not belong on {self.stream}")
-                out.append(Envelope(entry_id, msg))
+                wires = entries.payloads(fields)
             except ProtocolError as exc:
-                dead_letter(self.producer, self.dlq, self.stream, entry_id, (fields or {}).get(FIELD), exc.message)
+                dead_letter(self.producer, self.dlq, self.stream, entry_id, fields.get(FIELD), exc.message)
+                refused.append(entry_id)
+                continue
+            good = [env for wire in wires if (env := self._accept_one(entry_id, wire)) is not None]
+            if good:
+                out += good
+            else:
                 refused.append(entry_id)
         if refused:
             self.client.xack(self.stream, self.group, *refused)
         return out
 
+    def _accept_one(self, entry_id: str, wire: bytes) -> Envelope | None:
+        try:
+            msg = decode(wire)
+            if self.accept is not None and not isinstance(msg, self.accept):
+                raise ProtocolError(f"{type(msg).__name__} does not belong on {self.stream}")
+        except ProtocolError as exc:
+            dead_letter(self.producer, self.dlq, self.stream, entry_id, wire, exc.message)
+            return None
+        return Envelope(entry_id, msg)
+
     def ack(self, envelopes: Iterable[Envelope | str]) -> int:
-        ids = [e.id if isinstance(e, Envelope) else e for e in envelopes]
+        ids = list(dict.fromkeys(e.id if isinstance(e, Envelope) else e for e in envelopes))  # entries, once
         if not ids:
             return 0
         try:
@@ -320,14 +353,11 @@ class StreamReader:
             return []
         return self._accept(resp[0][1] if resp else [])
 
-    def _accept(self, entries: list) -> list[Envelope]:
+    def _accept(self, raw_entries: list) -> list[Envelope]:
         out = []
-        for entry_id, fields in entries:
+        for entry_id, fields in raw_entries:
             self.last_id = _id(entry_id)
-            try:
-                out.append(Envelope(self.last_id, _decode_entry(fields)))
-            except ProtocolError as exc:
-                log.warning("%s: skipping invalid entry %s: %s", self.stream, self.last_id, exc.message)
+            out += _decode_entry(self.stream, self.last_id, fields)
         return out
 
     def close(self) -> None:
@@ -359,10 +389,7 @@ class AsyncStreamReader:
         out = []
         for entry_id, fields in (resp[0][1] if resp else []):
             self.last_id = _id(entry_id)
-            try:
-                out.append(Envelope(self.last_id, _decode_entry(fields)))
-            except ProtocolError as exc:
-                log.warning("%s: skipping invalid entry %s: %s", self.stream, self.last_id, exc.message)
+            out += _decode_entry(self.stream, self.last_id, fields)
         return out
 
     async def close(self) -> None:

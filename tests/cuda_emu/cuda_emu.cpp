@@ -1,11 +1,11 @@
-// Runtime of the CUDA CPU emulation (see cuda_emu.h): the kernel registry, the per-block fiber
-// scheduler, barriers, warp exchanges, shared-memory poisoning and the ctypes entry points.
+// The fiber runtime of the CUDA CPU emulation (see cuda_emu.h), the default: the per-block fiber
+// scheduler, barriers, warp exchanges and shared-memory poisoning. The registry and the ctypes
+// entry points are in cuda_emu_api.cpp; -DPS_EMU_THREADS selects cuda_emu_threads.cpp instead.
 //
 // Fibers: on x86-64 a fiber switch is a few register moves (ps_emu_switch below), because the
 // kernels switch at every shuffle and swapcontext costs a system call per switch; elsewhere (or
 // with -DPS_EMU_UCONTEXT) the fibers are plain ucontext ones.
-#include "cuda_emu.h"
-
+#ifndef PS_EMU_THREADS
 #include <link.h>
 #include <sys/mman.h>
 #include <ucontext.h>
@@ -15,10 +15,11 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
-#include <map>
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include "cuda_emu_runtime.h"
 
 #if defined(__x86_64__) && !defined(PS_EMU_UCONTEXT)
 #define PS_EMU_ASM_SWITCH 1
@@ -60,20 +61,7 @@ extern "C" void ps_emu_switch(void** save, void* load);
 namespace ps_emu {
 namespace {
 
-constexpr std::uint32_t kPoison = 0x7fff7fffu;  // NaN as float32, and as each float16 / bfloat16 half
 constexpr std::size_t kStackBytes = 256 * 1024;
-constexpr int kWarpSize = 32;
-
-struct Kernel {
-  void* fn;
-  Trampoline trampoline;
-  std::string signature;
-};
-
-std::map<std::string, Kernel>& registry() {
-  static std::map<std::string, Kernel> kernels;
-  return kernels;
-}
 
 enum class Wait { kNone, kBarrier, kWarp, kDone };
 
@@ -170,10 +158,6 @@ bool runnable(const Block& b, const Fiber& f) {
   return false;
 }
 
-std::string where(const char* file, int line) {
-  return std::string(file ? file : "?") + ":" + std::to_string(line);
-}
-
 std::string describe_waits(const Block& b) {
   std::string s;
   int at_barrier = 0, at_warp = 0;
@@ -189,8 +173,7 @@ std::string describe_waits(const Block& b) {
 
 [[noreturn]] void fail(Block& b, const std::string& message) {
   if (b.error.empty()) {
-    b.error = message + " in block (" + std::to_string(b.shape.block_idx.x) + "," +
-              std::to_string(b.shape.block_idx.y) + "," + std::to_string(b.shape.block_idx.z) + ")";
+    b.error = message + " in " + block_name(b.shape.block_idx);
   }
   switch_fiber(b, b.current, nullptr);  // back to the block's OS thread; this fiber is abandoned
   std::abort();
@@ -280,12 +263,6 @@ int find_tls(dl_phdr_info* info, std::size_t, void* data) {
   return 1;
 }
 
-void poison(void* p, std::size_t bytes) {
-  auto* words = static_cast<std::uint32_t*>(p);
-  for (std::size_t i = 0; i < bytes / 4; ++i) words[i] = kPoison;
-  std::memset(static_cast<char*>(p) + bytes / 4 * 4, 0x7f, bytes % 4);
-}
-
 void poison_shared(const TlsRange& tls) {
   Block* keep = tl_block;
   if (tls.begin) poison(tls.begin, tls.size);
@@ -369,15 +346,6 @@ int num_workers() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
-// Not thread_local: the module's TLS block is poisoned before every block.
-std::mutex last_error_mutex;
-std::string last_error;
-
-void set_last_error(const std::string& message) {
-  std::lock_guard<std::mutex> lock(last_error_mutex);
-  last_error = message;
-}
-
 }  // namespace
 
 const ThreadState& this_thread() { return tl_block->current->state; }
@@ -439,72 +407,22 @@ std::uint64_t warp_exchange(unsigned mask, std::uint64_t bits, int src_lane, con
 
 void syncwarp(unsigned mask, const char* file, int line) { warp_exchange(mask, 0, -1, file, line); }
 
-void register_kernel(const char* name, void* fn, Trampoline trampoline, const char* signature) {
-  registry()[name] = Kernel{fn, trampoline, signature};
-}
-
-}  // namespace ps_emu
-
-extern "C" {
-
-// Launches `name` like cuLaunchKernel: args[i] points at the value of parameter i.
-// Returns 0, or -1 with the reason in ps_emu_last_error().
-int ps_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                  unsigned long long shared_bytes, void** args) {
-  using namespace ps_emu;
-  auto it = registry().find(name);
-  if (it == registry().end()) {
-    set_last_error(std::string("no kernel named ") + name);
-    return -1;
-  }
-  if (gx * gy * gz == 0) return 0;
-  if (bx * by * bz == 0 || bx * by * bz > 1024) {
-    set_last_error("block of " + std::to_string(bx * by * bz) + " threads");
-    return -1;
-  }
+std::string run_grid(const Kernel& kernel, dim3 grid, dim3 block, std::size_t shared_bytes, void** args) {
   Launch launch;
-  launch.kernel = it->second;
-  launch.grid = dim3(gx, gy, gz);
-  launch.block = dim3(bx, by, bz);
+  launch.kernel = kernel;
+  launch.grid = grid;
+  launch.block = block;
   launch.shared_bytes = shared_bytes;
   launch.args = args;
-  const long long num_blocks = 1LL * gx * gy * gz;
+  const long long num_blocks = 1LL * grid.x * grid.y * grid.z;
   const int n = static_cast<int>(std::min<long long>(num_workers(), num_blocks));
   std::vector<std::thread> threads;
   for (int i = 1; i < n; ++i) threads.emplace_back(worker, std::ref(launch));
   worker(launch);
   for (std::thread& t : threads) t.join();
-  if (launch.failed) {
-    set_last_error(launch.error);
-    return -1;
-  }
-  return 0;
+  return launch.failed ? launch.error : std::string();
 }
 
-// Copies the last launch error into buf (NUL-terminated); returns its full length.
-int ps_emu_last_error(char* buf, int size) {
-  std::lock_guard<std::mutex> lock(ps_emu::last_error_mutex);
-  const std::string& e = ps_emu::last_error;
-  if (size > 0) {
-    const std::size_t n = std::min<std::size_t>(e.size(), static_cast<std::size_t>(size - 1));
-    std::memcpy(buf, e.data(), n);
-    buf[n] = '\0';
-  }
-  return static_cast<int>(e.size());
-}
+}  // namespace ps_emu
 
-// The parameter kinds of a kernel: P pointer, i 32-bit int, l 64-bit int, f float, d double.
-const char* ps_emu_kernel_signature(const char* name) {
-  auto it = ps_emu::registry().find(name);
-  return it == ps_emu::registry().end() ? nullptr : it->second.signature.c_str();
-}
-
-int ps_emu_num_kernels() { return static_cast<int>(ps_emu::registry().size()); }
-
-const char* ps_emu_kernel_name(int i) {
-  auto it = ps_emu::registry().begin();
-  std::advance(it, i);
-  return it->first.c_str();
-}
-
-}  // extern "C"
+#endif  // PS_EMU_THREADS

@@ -11,6 +11,9 @@
 //   source line, is reported as a launch error, never hung.
 // - Kernels register themselves by name (PS_EXPORT_KERNEL) and are launched with
 //   ps_emu_launch(name, grid, block, shared bytes, args) - the cuLaunchKernel calling convention.
+// - With -DPS_EMU_THREADS (the ThreadSanitizer flavour) every CUDA thread is an OS thread instead
+//   and blocks run one at a time, so __shared__ is a plain static, gathered into one section by
+//   shared_section.ld and poisoned there (see cuda_emu_threads.cpp).
 #ifndef PAGEDSERVE_CUDA_EMU_H
 #define PAGEDSERVE_CUDA_EMU_H
 
@@ -51,7 +54,11 @@ struct dim3 {
 #define __global__
 #define __device__
 #define __host__
+#ifdef PS_EMU_THREADS
+#define __shared__ static
+#else
 #define __shared__ static thread_local
+#endif
 #define __forceinline__ inline
 #define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)

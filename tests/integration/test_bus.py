@@ -32,6 +32,37 @@ def test_producer_trims_and_reader_sees_everything_in_order(redis_client, stream
     assert redis_client.xlen(stream) < 3000  # MAXLEN ~ trims (approximately)
 
 
+def test_a_batched_send_is_one_entry_per_stream_read_back_message_by_message(redis_client, stream_names):
+    a, b = stream_names.detok_in(0), stream_names.detok_in(1)
+    producer = Producer(redis_client, batch=True)
+    msgs = _requests(5)
+    ids = producer.send_many([(a, msgs[0]), (b, msgs[1]), (a, msgs[2]), (a, msgs[3]), (b, msgs[4])])
+    assert len(ids) == 2 and redis_client.xlen(a) == 1 and redis_client.xlen(b) == 1
+    got = StreamReader(redis_client, a, start="0-0").read(count=1)
+    assert [e.msg.request_id for e in got] == ["r0", "r2", "r3"] and len({e.id for e in got}) == 1
+    group = GroupReader(redis_client, b, "detok", "c")
+    got = group.read(count=10)
+    assert [e.msg.request_id for e in got] == ["r1", "r4"]
+    assert group.ack(got) == 1  # one entry, acked once
+    assert redis_client.xpending(b, "detok")["pending"] == 0
+
+
+def test_a_bad_message_in_a_batched_entry_is_dead_lettered_alone(redis_client, stream_names):
+    stream, dlq = stream_names.detok_in(0), stream_names.dlq
+    good = _requests(2)
+    bad = msgpack.packb({"t": 1, "request_id": "bad", "reply_to": 7})
+    redis_client.xadd(stream, {b"m": good[0].to_wire(), b"m1": bad, b"m2": good[1].to_wire()})
+    redis_client.xadd(stream, {b"m": bad, b"m1": bad})  # nothing valid: acked at once
+    redis_client.xadd(stream, {b"m": good[0].to_wire(), b"m2": bad})  # m1 missing: refused whole
+    reader = GroupReader(redis_client, stream, "detok", "c", dlq=dlq)
+    got = reader.read(count=10)
+    assert [e.msg.request_id for e in got] == ["r0", "r1"]
+    assert redis_client.xpending(stream, "detok")["pending"] == 1  # the first entry, until the caller acks
+    assert redis_client.xlen(dlq) == 4
+    reader.ack(got)
+    assert redis_client.xpending(stream, "detok")["pending"] == 0
+
+
 def test_stream_reader_dollar_sees_entries_written_after_construction(redis_client, stream_names):
     stream = stream_names.engine_ctl
     producer = Producer(redis_client)

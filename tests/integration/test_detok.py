@@ -14,6 +14,7 @@ from detok_svc.stop import StopChecker
 from shared.config import BusConfig, DetokConfig
 from shared.protocol import (Abort, DetokParams, FinishReason, RequestOutput, StreamNames, TokenDelta,
                              TokenLogprobs, decode)
+from shared.entries import payloads
 from shared.streams import Producer
 
 TEXTS = ["Hello world, the capital of France is Paris.", "中文字符 和 日本語 テキスト 🙂🚀 café",
@@ -96,8 +97,8 @@ def _deltas(tok, text, request_id="r1", *, n_per=1, index=0, params=None, num_ch
 def _run(processor, deltas):
     outputs, aborts, acked = [], [], []
     for k, d in enumerate(deltas):
-        messages, ack = processor.process(f"{k}-0", d)
-        acked += ack
+        messages = processor.process(f"{k}-0", d)
+        acked += processor.take_ackable()
         for stream, msg in messages:
             (outputs if isinstance(msg, RequestOutput) else aborts).append((stream, msg))
     return [m for _, m in outputs], aborts, acked
@@ -125,7 +126,7 @@ def test_stop_string_spanning_tokens(hf_tokenizer, stop, include, expected):
     assert processor.requests == {} and len(acked) == sum(1 for _ in acked) > 0
     # late deltas of the stopped request are acked and dropped
     late = TokenDelta(request_id="r1", seq=len(deltas) + 5, new_token_ids=(5,))
-    assert processor.process("late", late) == ([], ["late"])
+    assert processor.process("late", late) == [] and processor.take_ackable() == ["late"]
 
 
 def test_streamed_text_never_shows_a_trimmed_stop_prefix(hf_tokenizer):
@@ -181,7 +182,7 @@ def test_logprob_token_strings(hf_tokenizer):
                 for t in ids)
     delta = TokenDelta(request_id="r", seq=0, new_token_ids=tuple(ids), logprobs=lps, finish_reason=2,
                        reply_to=REPLY, detok=DetokParams(logprobs=True))
-    (_, out), = processor.process("1-0", delta)[0]
+    (_, out), = processor.process("1-0", delta)
     assert [lp.token for lp in out.logprobs] == [strings.text(t) for t in ids]
     assert [lp.token_id for lp in out.logprobs] == ids
     assert out.logprobs[0].top_tokens == (strings.text(ids[0]), strings.text(0))
@@ -197,8 +198,12 @@ def _service(redis_url, prefix, tokenizer):
     return DetokService(config, DetokProcessor(tokenizer, StreamNames(prefix)))
 
 
+def _messages(client, stream):
+    return [decode(wire) for _, fields in client.xrange(stream) for wire in payloads(fields)]
+
+
 def _replies(client, names):
-    return [decode(f[b"m"]) for _, f in client.xrange(names.gateway_out("g"))]
+    return _messages(client, names.gateway_out("g"))
 
 
 def test_service_acks_only_finished_requests_and_resumes_after_restart(redis_url, redis_client, prefix,
@@ -209,7 +214,8 @@ def test_service_acks_only_finished_requests_and_resumes_after_restart(redis_url
     deltas = [dataclasses.replace(d, reply_to=reply if d.seq == 0 else None) for d in _deltas(hf_tokenizer, text)]
     producer = Producer(redis_client)
     half = len(deltas) // 2
-    producer.send_many((names.detok_in(0), d) for d in deltas[:half])
+    for d in deltas[:half]:  # one entry per engine step
+        producer.send_many([(names.detok_in(0), d)])
     first = _service(redis_url, prefix, hf_tokenizer)
     while first.run_once(50):
         pass
@@ -232,6 +238,32 @@ def test_service_acks_only_finished_requests_and_resumes_after_restart(redis_url
     assert not any(isinstance(m, Abort) for m in replies)
 
 
+def test_an_entry_shared_by_two_requests_is_acked_when_both_have_finished(redis_url, redis_client, prefix,
+                                                                          hf_tokenizer):
+    names = StreamNames(prefix)
+    reply = names.gateway_out("g")
+    a = [dataclasses.replace(d, request_id="a", reply_to=reply if d.seq == 0 else None)
+         for d in _deltas(hf_tokenizer, "one two three")]
+    b = [dataclasses.replace(d, request_id="b", reply_to=reply if d.seq == 0 else None)
+         for d in _deltas(hf_tokenizer, "four five six seven eight nine ten")]
+    assert len(a) < len(b)
+    producer, service = Producer(redis_client, batch=True), _service(redis_url, prefix, hf_tokenizer)
+    stream = names.detok_in(0)
+    for step in range(len(b)):  # each engine step: one entry with a delta of each running request
+        producer.send_many([(stream, d[step]) for d in (a, b) if step < len(d)])
+        while service.run_once(50):
+            pass
+        finished_a = step >= len(a) - 1
+        # a's entries stay pending while b, which shares them, runs; all go when b finishes
+        assert redis_client.xpending(stream, "detok")["pending"] == (step + 1 if step < len(b) - 1 else 0)
+        assert ("a" in service.processor.requests) == (not finished_a)
+    assert redis_client.xpending(stream, "detok")["pending"] == 0 and service.processor.holders == {}
+    texts = {"a": "", "b": ""}
+    for r in _replies(redis_client, names):
+        texts[r.request_id] += r.text_delta
+    assert texts == {"a": "one two three", "b": "four five six seven eight nine ten"}
+
+
 def test_service_fails_a_request_whose_delta_breaks_the_tokenizer(redis_url, redis_client, prefix, hf_tokenizer):
     names = StreamNames(prefix)
     reply = names.gateway_out("g")
@@ -248,7 +280,7 @@ def test_service_fails_a_request_whose_delta_breaks_the_tokenizer(redis_url, red
     errors = [r for r in replies if r.error is not None]
     assert [(e.request_id, e.error.code) for e in errors] == [("bad", 500)]
     assert "".join(r.text_delta for r in replies if r.request_id == "ok") == "Hello"
-    aborts = [decode(f[b"m"]) for _, f in redis_client.xrange(names.engine_ctl)]
+    aborts = _messages(redis_client, names.engine_ctl)
     assert [a.request_ids for a in aborts] == [("bad",)]
     assert redis_client.xpending(names.detok_in(0), "detok")["pending"] == 0
     assert service.processor.requests == {}
@@ -258,7 +290,8 @@ def test_requests_whose_engine_went_silent_expire(hf_tokenizer):
     processor = DetokProcessor(hf_tokenizer, StreamNames("x"))
     first = _deltas(hf_tokenizer, "Hello world", finish=False)[0]
     processor.process("1-0", first)
-    assert processor.expire(max_idle_s=60) == ([], [])
-    out, acks = processor.expire(max_idle_s=-1)
-    assert [(m.request_id, m.error.code) for _, m in out] == [("r1", 503)] and acks == ["1-0"]
+    assert processor.take_ackable() == []  # held by its unfinished request
+    assert processor.expire(max_idle_s=60) == []
+    out = processor.expire(max_idle_s=-1)
+    assert [(m.request_id, m.error.code) for _, m in out] == [("r1", 503)] and processor.take_ackable() == ["1-0"]
     assert processor.requests == {}
