@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (OUT_DIR, Progress, make_workload, model_shape, percentile, print_header, print_table,  # noqa: E402
                     pyplot, resolve_bench_model, save_figure, target)
 from loadgen import ROW_HEADER, Result, Spec, Summary, run_closed_loop, summarize  # noqa: E402
-from stack import (StreamTap, hop_latencies, pagedserve_server, process_cpu, renice_service,  # noqa: E402
+from stack import (StreamTap, hop_latencies, pagedserve_server, process_cpu,  # noqa: E402
                    transformers_server)
 
 BLOCK_SIZE = 16
@@ -52,8 +52,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=0, help="first port (default: free ones)")
     p.add_argument("--skip", action="append", default=[], choices=["inprocess", "stack", "transformers"])
     p.add_argument("--engine-nice", type=int, default=0,
-                   help="run the stack's engine process at this niceness (the light bus services then get the CPU "
-                        "first when a token arrives)")
+                   help="`pagedserve serve --engine-nice`: the light bus services then get a core first when a "
+                        "step's tokens arrive")
+    p.add_argument("--gateways", type=int, default=1, help="`pagedserve serve --gateways`")
+    p.add_argument("--detokenizers", type=int, default=1, help="`pagedserve serve --detokenizers`")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
@@ -227,17 +229,16 @@ def run_stack(args, model_dir: Path, cfg: dict, id_specs: list[Spec], text_specs
 
     with RedisServer() as redis_server:
         port = args.port or free_port()
-        server = pagedserve_server(model_dir, port, redis_server.url, engine_flags(cfg), OUT_DIR / "serve-pagedserve.log")
+        flags = [*engine_flags(cfg), "--engine-nice", str(args.engine_nice), "--gateways", str(args.gateways),
+                 "--detokenizers", str(args.detokenizers)]
+        server = pagedserve_server(model_dir, port, redis_server.url, flags, OUT_DIR / "serve-pagedserve.log")
         print(f"   stack: {server.command}", flush=True)
         url = f"http://127.0.0.1:{port}"
         with server:
             server.start(timeout_s=900)
             model_name = _served_model(url)
             run_closed_loop(url, model_name, [Spec(id_specs[0].prompt[:8], 2)], 1)  # warm-up
-            if args.engine_nice:
-                pids = renice_service(server.proc.pid, "engine_svc", args.engine_nice)
-                print(f"   reniced engine_svc pids {pids} to {args.engine_nice}", flush=True)
-            tap = StreamTap(redis_server.url).start()
+            tap = StreamTap(redis_server.url, num_detok_shards=args.detokenizers).start()
             res, secs, hops, cpu = stack_part1(url, model_name, id_specs, args, tap,
                                                [server.proc.pid, redis_server.process.pid])
             part2 = run_levels("pagedserve", url, model_name, text_specs, levels, args,

@@ -181,18 +181,6 @@ def _service_name(pid: int) -> str:
     return Path(argv[0]).name if argv and argv[0] else "?"
 
 
-def renice_service(root_pid: int, module: str, niceness: int) -> list[int]:
-    """Lower the priority of every thread of the `module` processes under root_pid (Linux nice is
-    per thread, so each task is set); returns the pids changed."""
-    changed = []
-    for pid in _descendants(root_pid):
-        if _service_name(pid) == module:
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                os.setpriority(os.PRIO_PROCESS, int(task.name), niceness)
-            changed.append(pid)
-    return changed
-
-
 def _descendants(root_pid: int) -> list[int]:
     parents = {}
     for entry in Path("/proc").iterdir():

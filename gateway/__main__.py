@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 
 from gateway.config import GatewayLimits
@@ -24,10 +25,13 @@ def parser() -> argparse.ArgumentParser:
     limits.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
     limits.add_argument("--max-pending-requests", type=int, default=defaults.max_pending_requests)
     p.add_argument("--log-level", default="info")
+    p.add_argument("--reuse-port", action="store_true",
+                   help="bind with SO_REUSEPORT, so that several gateways share the port (the kernel spreads "
+                        "connections over them)")
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[GatewayConfig, GatewayLimits, str]:
+def parse_args(argv: list[str] | None = None) -> tuple[GatewayConfig, GatewayLimits, str, bool]:
     a = parser().parse_args(argv)
     config = GatewayConfig(bus=bus_from_args(a), host=a.host, port=a.port, model=a.model,
                            served_model_name=a.served_model_name, api_key=a.api_key or None,
@@ -35,7 +39,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[GatewayConfig, GatewayLim
                            gateway_id=a.gateway_id)
     limits = GatewayLimits(idle_timeout_s=a.request_timeout, max_body_bytes=a.max_body_bytes,
                            max_pending_requests=a.max_pending_requests)
-    return config, limits, a.log_level
+    return config, limits, a.log_level, a.reuse_port
+
+
+def shared_port_socket(host: str, port: int) -> socket.socket:
+    """A listening socket other processes may bind too (SO_REUSEPORT)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,10 +58,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from gateway.app import build_app
 
-    config, limits, log_level = parse_args(argv)
+    config, limits, log_level, reuse_port = parse_args(argv)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s gateway %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(build_app(config, limits), host=config.host, port=config.port, log_level=log_level,
-                timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(build_app(config, limits), host=config.host, port=config.port,
+                                           log_level=log_level, timeout_graceful_shutdown=5))
+    server.run(sockets=[shared_port_socket(config.host, config.port)] if reuse_port else None)
     return 0
 
 

@@ -6,6 +6,7 @@ once per applied RequestOutput while streaming, ``response()`` once at the end o
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 
@@ -63,6 +64,9 @@ def chat_logprobs(lps: Sequence[TextLogprobs]) -> ChatLogprobs:
     ])
 
 
+_INDEX, _TEXT = 987654321, "\u2063text\u2063"  # placeholders no real chunk holds
+
+
 class Renderer:
     """The shapes of one API (completions or chat) for one HTTP request."""
 
@@ -71,6 +75,25 @@ class Renderer:
         self.model = model
         self.want_logprobs = want_logprobs
         self.created = int(time.time())
+        self._text_template: tuple[bytes, bytes, bytes] | None = None
+
+    def text_event(self, choice: Choice, out: RequestOutput) -> bytes | None:
+        """The SSE event of a plain text delta -- the hot path while streaming -- filled into the
+        bytes of a chunk the pydantic model rendered once; None when the chunk needs the model
+        (a choice's first chunk, logprobs, the finish)."""
+        if self.want_logprobs or not choice.is_started or not out.text_delta or out.finish_reason is not None:
+            return None
+        if self._text_template is None:
+            rendered = sse(self._plain_text_chunk(_INDEX, _TEXT))
+            head, rest = rendered.split(str(_INDEX).encode())
+            middle, tail = rest.split(json.dumps(_TEXT, ensure_ascii=False).encode())
+            self._text_template = (head, middle, tail)
+        head, middle, tail = self._text_template
+        text = json.dumps(out.text_delta, ensure_ascii=False).encode()
+        return b"".join((head, str(choice.index).encode(), middle, text, tail))
+
+    def _plain_text_chunk(self, index: int, text: str) -> BaseModel:
+        raise NotImplementedError
 
     def response(self, choices: Sequence[Choice], usage: UsageInfo) -> BaseModel:
         raise NotImplementedError
@@ -80,6 +103,10 @@ class Renderer:
 
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
         raise NotImplementedError
+
+
+def sse(body: BaseModel) -> bytes:
+    return b"data: " + body.model_dump_json().encode() + b"\n\n"
 
 
 class CompletionRenderer(Renderer):
@@ -112,6 +139,10 @@ class CompletionRenderer(Renderer):
                                 stop_reason=out.stop_reason)
         return [CompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[body])]
 
+    def _plain_text_chunk(self, index: int, text: str) -> CompletionChunk:
+        return CompletionChunk(id=self.response_id, created=self.created, model=self.model,
+                               choices=[CompletionChoice(index=index, text=text)])
+
     def usage_chunk(self, usage: UsageInfo) -> CompletionChunk:
         return CompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[], usage=usage)
 
@@ -141,6 +172,9 @@ class ChatRenderer(Renderer):
             chunks.append(self._chunk(ChatChunkChoice(index=choice.index, delta=delta, logprobs=logprobs,
                                                       finish_reason=finish, stop_reason=out.stop_reason)))
         return chunks
+
+    def _plain_text_chunk(self, index: int, text: str) -> ChatCompletionChunk:
+        return self._chunk(ChatChunkChoice(index=index, delta=DeltaMessage(content=text)))
 
     def _chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[choice])

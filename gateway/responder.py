@@ -12,20 +12,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from pydantic import BaseModel
 
 from gateway.errors import APIError
 from gateway.generation import Generation
-from gateway.renderer import Renderer
+from gateway.renderer import Renderer, sse
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
 DONE = b"data: [DONE]\n\n"
-
-
-def sse(body: BaseModel) -> bytes:
-    return b"data: " + body.model_dump_json().encode() + b"\n\n"
 
 
 class GenerationResponse:
@@ -95,6 +90,10 @@ class GenerationResponse:
 
     async def _events(self) -> AsyncIterator[bytes]:
         async for choice, out in self.generation.events():
+            event = self.renderer.text_event(choice, out)
+            if event is not None:
+                yield event
+                continue
             for chunk in self.renderer.chunks(choice, out):
                 yield sse(chunk)
         if self.generation.is_cancelled:

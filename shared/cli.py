@@ -31,10 +31,16 @@ class Child:
     name: str
     argv: list[str]
     proc: subprocess.Popen | None = None
+    nice: int = 0  # added to the niceness before the child starts (every thread it makes inherits it)
 
     def start(self, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", *self.argv], env=env, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=self._prepare)
+
+    def _prepare(self) -> None:  # in the child, before exec
+        _die_with_parent()
+        if self.nice:
+            os.nice(self.nice)
 
     @property
     def is_alive(self) -> bool:
@@ -58,10 +64,15 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     p.add_argument("--prefix", default="ps")
+    p.add_argument("--gateways", type=int, default=1,
+                   help="gateway processes sharing the port (SO_REUSEPORT), each with its own reply stream")
     p.add_argument("--tokenizers", type=int, default=1)
     p.add_argument("--detokenizers", type=int, default=1)
     p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"))
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--engine-nice", type=int, default=0,
+                   help="run the engine at this niceness, so the light bus services get a core first when a "
+                        "step's tokens arrive (they need ~1%% of the engine's CPU)")
     p.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for /health")
     add_engine_args(p)
     return p
@@ -83,10 +94,14 @@ def build_children(args: argparse.Namespace, redis_url: str, model: str) -> list
     gateway = ["--host", args.host, "--port", str(args.port)]
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
-    children = [Child("gateway", ["gateway", *common, *shards, *gateway])]
+    if args.gateways > 1:
+        gateway.append("--reuse-port")
+    children = [Child(f"gateway-{i}" if args.gateways > 1 else "gateway", ["gateway", *common, *shards, *gateway])
+                for i in range(args.gateways)]
     children += [Child(f"tokenizer-{i}", ["tokenizer_svc", *common, "--service-id", f"tokenizer-{i}"])
                  for i in range(args.tokenizers)]
-    children.append(Child("engine", ["engine_svc", *common, *shards, "--service-id", "engine-0", *engine_argv(args)]))
+    children.append(Child("engine", ["engine_svc", *common, *shards, "--service-id", "engine-0", *engine_argv(args)],
+                          nice=args.engine_nice))
     children += [Child(f"detok-{k}", ["detok_svc", *common, *shards, "--shard", str(k), "--service-id", f"detok-{k}"])
                  for k in range(args.detokenizers)]
     return children

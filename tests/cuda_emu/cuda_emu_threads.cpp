@@ -6,19 +6,15 @@
 //   plain static there, gathered by shared_section.ld into one section that is poisoned with NaN
 //   before every block.
 // - The runtime's own synchronization is invisible to TSan: this file is compiled without
-//   -fsanitize=thread and waits with futexes on atomics (TSan intercepts pthread locks, not
-//   these). The only happens-before edges TSan sees are the ones CUDA promises, announced with
-//   __tsan_release / __tsan_acquire: __syncthreads() orders the block, __syncwarp() the warp,
+//   -fsanitize=thread and waits with futexes on atomics (hidden_sync.h; TSan intercepts pthread
+//   locks, not these). The only happens-before edges TSan sees are the ones CUDA promises,
+//   announced with hb_release / hb_acquire: __syncthreads() orders the block, __syncwarp() the warp,
 //   and one block ends before the next starts (so races between blocks of a grid go unseen).
 //   A shuffle exchanges values but orders no memory, as on the GPU.
 // - A __syncthreads() or warp operation that cannot complete is reported, never hung: the block
 //   counts threads that wait and threads that exited, and fails when none can move; waiting
 //   threads then leave the kernel by an exception.
 #ifdef PS_EMU_THREADS
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <atomic>
 #include <climits>
 #include <cstring>
@@ -27,49 +23,13 @@
 #include <vector>
 
 #include "cuda_emu_runtime.h"
+#include "hidden_sync.h"
 
-// Present when libtsan is loaded (the tsan flavour); null otherwise.
-extern "C" __attribute__((weak)) void __tsan_acquire(void* addr);
-extern "C" __attribute__((weak)) void __tsan_release(void* addr);
 // Bounds of the __shared__ section, defined by shared_section.ld.
 extern "C" __attribute__((visibility("hidden"))) char ps_emu_shared_begin[], ps_emu_shared_end[];
 
 namespace ps_emu {
 namespace {
-
-void hb_release(void* sync) {
-  if (&__tsan_release != nullptr) __tsan_release(sync);
-}
-void hb_acquire(void* sync) {
-  if (&__tsan_acquire != nullptr) __tsan_acquire(sync);
-}
-
-void futex_wait(std::atomic<std::uint32_t>& word, std::uint32_t seen) {
-  syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), FUTEX_WAIT_PRIVATE, seen, nullptr, nullptr, 0);
-}
-void futex_wake(std::atomic<std::uint32_t>& word, int count) {
-  syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), FUTEX_WAKE_PRIVATE, count, nullptr, nullptr, 0);
-}
-
-// A mutex TSan cannot see (Drepper's futex mutex): 0 free, 1 locked, 2 locked with waiters.
-class FutexLock {
- public:
-  void lock() {
-    std::uint32_t c = 0;
-    if (state_.compare_exchange_strong(c, 1, std::memory_order_acquire)) return;
-    if (c != 2) c = state_.exchange(2, std::memory_order_acquire);
-    while (c != 0) {
-      futex_wait(state_, 2);
-      c = state_.exchange(2, std::memory_order_acquire);
-    }
-  }
-  void unlock() {
-    if (state_.exchange(0, std::memory_order_release) == 2) futex_wake(state_, 1);
-  }
-
- private:
-  std::atomic<std::uint32_t> state_{0};
-};
 
 struct BlockAbort {};  // thrown out of a kernel whose block failed
 
@@ -96,7 +56,9 @@ struct ThreadBlock {
   std::atomic<std::uint32_t> posted{0};    // blocks handed to the pool (futex word)
   std::atomic<std::uint32_t> finished{0};  // threads done with the current block (futex word)
   std::atomic<bool> stop{false};
-  char block_hb;  // TSan sync object: the end of a block happens before the next one starts
+  // TSan sync objects: every thread's end of a block happens before the launching thread posts
+  // the next one, which happens before that block's start (and nothing else does).
+  char block_end_hb, block_start_hb;
 
   FutexLock lock;
   int barrier_arrived = 0, exited = 0, waiting = 0;  // waiting: blocked and not yet released
@@ -234,14 +196,14 @@ void pool_thread(ThreadBlock& b, int linear) {
   for (std::uint32_t next = 1;; ++next) {
     for (std::uint32_t seen; (seen = b.posted.load()) < next;) futex_wait(b.posted, seen);
     if (b.stop) break;
-    hb_acquire(&b.block_hb);
+    hb_acquire(&b.block_start_hb);
     t.barriers = t.warp_ops = 0;
     try {
       b.kernel.trampoline(b.kernel.fn, b.args);
       exit_kernel(t);
     } catch (const BlockAbort&) {
     }
-    hb_release(&b.block_hb);
+    hb_release(&b.block_end_hb);
     if (b.finished.fetch_add(1) + 1 == static_cast<std::uint32_t>(b.num_threads)) futex_wake(b.finished, INT_MAX);
   }
   tl_thread = nullptr;
@@ -323,10 +285,12 @@ std::string run_grid(const Kernel& kernel, dim3 grid, dim3 block, std::size_t sh
   const long long num_blocks = 1LL * grid.x * grid.y * grid.z;
   for (long long i = 0; i < num_blocks && !b->failed; ++i) {
     reset_block(*b, i);
+    hb_release(&b->block_start_hb);
     b->posted.fetch_add(1);
     futex_wake(b->posted, INT_MAX);
     for (std::uint32_t done; (done = b->finished.load()) != static_cast<std::uint32_t>(b->num_threads);)
       futex_wait(b->finished, done);
+    hb_acquire(&b->block_end_hb);
   }
   b->stop = true;
   b->posted.fetch_add(1);

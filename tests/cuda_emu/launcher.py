@@ -32,7 +32,9 @@ class EmuLauncher:
         lib.ps_emu_kernel_signature.argtypes = [ctypes.c_char_p]
         lib.ps_emu_kernel_signature.restype = ctypes.c_char_p
         lib.ps_emu_kernel_name.restype = ctypes.c_char_p
+        lib.ps_emu_mode.restype = ctypes.c_char_p
         self.lib = lib
+        self.mode = lib.ps_emu_mode().decode()  # "fibers" or "threads" (build.py's flavours)
         self.launches: list[tuple[str, tuple, tuple, int]] = []  # (name, grid, block, shared) for tests
 
     def kernel_names(self) -> list[str]:

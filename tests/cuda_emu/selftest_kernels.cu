@@ -57,3 +57,20 @@ extern "C" __global__ void emu_bad_sync(int mode) {
   }
 }
 PS_EXPORT_KERNEL(emu_bad_sync)
+
+// Reads a neighbour's shared slot after `mode`: 0 nothing, 1 a shuffle, 2 __syncwarp(),
+// 3 __syncthreads(). The neighbour is lane ^ 1 of the same warp, or (cross_warp) the same lane
+// of the next warp. Only a barrier that spans both threads orders the write before the read:
+// under the ThreadSanitizer flavour modes 0 and 1, and mode 2 across warps, are data races.
+extern "C" __global__ void emu_neighbour_read(const float* in, float* out, int mode, int cross_warp) {
+  __shared__ float buf[256];
+  const int t = threadIdx.x;
+  buf[t] = in[blockIdx.x * blockDim.x + t];
+  float zero = 0.f;
+  if (mode == 1) zero = __shfl_xor_sync(PS_FULL_MASK, zero, 1);
+  if (mode == 2) __syncwarp();
+  if (mode == 3) __syncthreads();
+  const int other = cross_warp ? (t + PS_WARP_SIZE) % blockDim.x : t ^ 1;
+  out[blockIdx.x * blockDim.x + t] = buf[other] + zero;
+}
+PS_EXPORT_KERNEL(emu_neighbour_read)

@@ -38,6 +38,15 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _module(pid: int) -> str | None:
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    return argv[argv.index("-m") + 1] if "-m" in argv else None
+
+
+def _nice(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
 def test_one_service_command_execs_the_module():
     result = subprocess.run([sys.executable, "-m", "shared.cli", "detok", "--help"], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
@@ -64,7 +73,8 @@ def test_serve_answers_then_stops_every_child(tiny_llama_dir, tmp_path):
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--model", str(tiny_llama_dir),
                              "--port", str(port), "--kv-cache-memory", "8M", "--max-model-len", "256",
-                             "--device", "cpu", "--dtype", "float32", "--detokenizers", "2"],
+                             "--device", "cpu", "--dtype", "float32", "--detokenizers", "2", "--gateways", "2",
+                             "--engine-nice", "3"],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
@@ -73,11 +83,16 @@ def test_serve_answers_then_stops_every_child(tiny_llama_dir, tmp_path):
             assert time.monotonic() < deadline, "serve did not come up"
             time.sleep(0.5)
         children = _children(proc.pid)
-        assert len(children) >= 6  # redis, gateway, tokenizer, engine, 2 detoks
-        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                           json={"prompt": "Hello world", "max_tokens": 4, "temperature": 0})
-        assert reply.status_code == 200, reply.text
-        assert reply.json()["usage"]["completion_tokens"] == 4
+        assert len(children) >= 7  # redis, 2 gateways, tokenizer, engine, 2 detoks
+        modules = {pid: _module(pid) for pid in children}
+        assert list(modules.values()).count("gateway") == 2
+        (engine,) = [pid for pid, module in modules.items() if module == "engine_svc"]
+        assert _nice(engine) == _nice(os.getpid()) + 3
+        for _ in range(6):  # a fresh connection each: the kernel spreads them over both gateways
+            reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                               json={"prompt": "Hello world", "max_tokens": 4, "temperature": 0})
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["usage"]["completion_tokens"] == 4
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         time.sleep(0.5)

@@ -226,3 +226,36 @@ def test_served_model_name_and_aliases():
     assert all(accepts_model(named, m) for m in ("smol", "/cache/models/SmolLM2/", None))
     assert not accepts_model(named, "gpt-4")
     assert served_model_name(GatewayConfig(model="/cache/models/SmolLM2/")) == "SmolLM2"
+
+
+# --------------------------------------------------------------------------- the streaming fast path
+@pytest.mark.parametrize("renderer_cls", ["CompletionRenderer", "ChatRenderer"])
+def test_text_events_equal_the_pydantic_chunks(renderer_cls):
+    import random
+
+    import gateway.renderer as renderers
+    from gateway.choice import Choice
+    from shared.protocol import RequestOutput
+
+    rng = random.Random(0)
+    alphabet = ["a", " ", '"', "\\", "\n", "\t", "\x00", "\x1f", "é", "🙂", "\u2028", "</", "\u2063"]
+    renderer = getattr(renderers, renderer_cls)('cmpl-"quoted"', "model/é", want_logprobs=False)
+    reference = getattr(renderers, renderer_cls)(renderer.response_id, renderer.model, want_logprobs=False)
+    reference.created = renderer.created
+    for index in (0, 3, 12):
+        choice, ref_choice = Choice(index=index), Choice(index=index)
+        first = RequestOutput(request_id="r", text_delta="hi")
+        assert renderer.text_event(choice, first) is None  # a choice's first chunk goes through the model
+        renderer.chunks(choice, first), reference.chunks(ref_choice, first)
+        for _ in range(50):
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 8)))
+            out = RequestOutput(request_id="r", text_delta=text)
+            event = renderer.text_event(choice, out)
+            (chunk,) = [c for c in reference.chunks(ref_choice, out) if c.choices]
+            assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+            assert json.loads(event[6:]) == json.loads(chunk.model_dump_json())
+        assert renderer.text_event(choice, RequestOutput(request_id="r", text_delta="x", finish_reason=1)) is None
+    with_logprobs = getattr(renderers, renderer_cls)("id", "m", want_logprobs=True)
+    started = Choice(index=0)
+    started.is_started = True
+    assert with_logprobs.text_event(started, RequestOutput(request_id="r", text_delta="x")) is None
