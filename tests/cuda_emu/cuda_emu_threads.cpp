@@ -19,6 +19,7 @@
 #include <climits>
 #include <cstring>
 #include <memory>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -226,6 +227,23 @@ void reset_block(ThreadBlock& b, long long index) {
   b.finished = 0;
 }
 
+// Starts one OS thread per CUDA thread; returns "" or why they could not all start.
+std::string start_pool(ThreadBlock& b, std::vector<std::thread>& pool) {
+  try {
+    for (int i = 0; i < b.num_threads; ++i) pool.emplace_back(pool_thread, std::ref(b), i);
+  } catch (const std::system_error& e) {
+    return "cannot start " + std::to_string(b.num_threads) + " threads for a block: " + e.what();
+  }
+  return "";
+}
+
+void stop_pool(ThreadBlock& b, std::vector<std::thread>& pool) {
+  b.stop = true;
+  b.posted.fetch_add(1);
+  futex_wake(b.posted, INT_MAX);
+  for (std::thread& t : pool) t.join();
+}
+
 }  // namespace
 
 const ThreadState& this_thread() { return tl_thread->state; }
@@ -281,9 +299,9 @@ std::string run_grid(const Kernel& kernel, dim3 grid, dim3 block, std::size_t sh
   for (int i = 0; i < b->num_threads; ++i) ++b->warps[i / kWarpSize].num_lanes;
   b->dynamic_shared.resize((shared_bytes + 3) / 4);  // before the pool starts: TSan sees it as ordered
   std::vector<std::thread> pool;
-  for (int i = 0; i < b->num_threads; ++i) pool.emplace_back(pool_thread, std::ref(*b), i);
+  std::string error = start_pool(*b, pool);
   const long long num_blocks = 1LL * grid.x * grid.y * grid.z;
-  for (long long i = 0; i < num_blocks && !b->failed; ++i) {
+  for (long long i = 0; i < num_blocks && error.empty() && !b->failed; ++i) {
     reset_block(*b, i);
     hb_release(&b->block_start_hb);
     b->posted.fetch_add(1);
@@ -292,11 +310,8 @@ std::string run_grid(const Kernel& kernel, dim3 grid, dim3 block, std::size_t sh
       futex_wait(b->finished, done);
     hb_acquire(&b->block_end_hb);
   }
-  b->stop = true;
-  b->posted.fetch_add(1);
-  futex_wake(b->posted, INT_MAX);
-  for (std::thread& t : pool) t.join();
-  return b->failed ? b->error : std::string();
+  stop_pool(*b, pool);
+  return b->failed ? b->error : error;
 }
 
 }  // namespace ps_emu

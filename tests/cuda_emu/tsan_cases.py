@@ -131,7 +131,7 @@ def unmatched_barriers(launcher: EmuLauncher) -> None:
 
 
 def _neighbour_read(launcher: EmuLauncher, mode: int, cross_warp: int) -> None:
-    x = torch.randn(64)
+    x = torch.randn(64, generator=torch.Generator().manual_seed(16))
     y = torch.full((64,), float("nan"))
     launcher.launch(None, None, "emu_neighbour_read", (1,), (64,), (_ptr(x), _ptr(y), np.int32(mode),
                                                                     np.int32(cross_warp)))
@@ -145,8 +145,10 @@ NEIGHBOUR_READS = {"no_sync": (0, 0, True), "shuffle_only": (1, 0, True), "syncw
                    "syncwarp_across_warps": (2, 1, True), "syncthreads": (3, 0, False),
                    "syncthreads_across_warps": (3, 1, False)}
 
-CASES = {f.__name__: f for f in (reshape_and_cache_f16, copy_blocks_bf16, decode_f32, decode_split_f16, prefill_bf16,
-                                 emulator_selftests, unmatched_barriers)}
+KERNEL_CASES = {f.__name__: f for f in (reshape_and_cache_f16, copy_blocks_bf16, decode_f32, decode_split_f16,
+                                        prefill_bf16)}
+EMULATOR_CASES = {f.__name__: f for f in (emulator_selftests, unmatched_barriers)}
+CASES = {**KERNEL_CASES, **EMULATOR_CASES}
 CASES.update({f"neighbour_read_{name}": (lambda launcher, m=m, c=c: _neighbour_read(launcher, m, c))
               for name, (m, c, _) in NEIGHBOUR_READS.items()})
 

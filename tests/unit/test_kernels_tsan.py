@@ -26,8 +26,6 @@ from tests.cuda_emu.build import build, tsan_runtime
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found: CUDA emulation skipped")
 
 REPO = Path(__file__).resolve().parents[2]
-KERNEL_CASES = ["reshape_and_cache_f16", "copy_blocks_bf16", "decode_f32", "decode_split_f16", "prefill_bf16"]
-EMULATOR_CASES = ["emulator_selftests", "unmatched_barriers"]
 # Every racing pair is reported, not only the first per stack or address: the negative cases share both.
 TSAN_OPTIONS = "exitcode=0 suppress_equal_stacks=0 suppress_equal_addresses=0"
 REPORT = "WARNING: ThreadSanitizer"
@@ -70,12 +68,12 @@ def _assert_clean(name: str, tsan_results) -> None:
         stderr[stderr.index(REPORT):][:6000]
 
 
-@pytest.mark.parametrize("name", KERNEL_CASES)
+@pytest.mark.parametrize("name", tsan_cases.KERNEL_CASES)
 def test_kernel_has_no_race_and_matches_reference(tsan_results, name):
     _assert_clean(name, tsan_results)
 
 
-@pytest.mark.parametrize("name", EMULATOR_CASES)
+@pytest.mark.parametrize("name", tsan_cases.EMULATOR_CASES)
 def test_thread_mode_keeps_the_emulator_semantics(tsan_results, name):
     """Poisoned shared memory, shuffles, barriers and unmatched-barrier errors, as in the fiber mode."""
     _assert_clean(name, tsan_results)
@@ -97,5 +95,5 @@ def test_thread_mode_runs_without_tsan():
     from tests.cuda_emu.launcher import EmuLauncher
 
     launcher = EmuLauncher(build(flavour="threads"))
-    for name in EMULATOR_CASES + ["decode_split_f16"]:
+    for name in [*tsan_cases.EMULATOR_CASES, "decode_split_f16"]:
         tsan_cases.CASES[name](launcher)
