@@ -54,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--engine-nice", type=int, default=0,
                    help="`pagedserve serve --engine-nice`: the light bus services then get a core first when a "
                         "step's tokens arrive")
+    p.add_argument("--tap-split", action="store_true",
+                   help="follow the reply streams live to split the trip at the detokenizer (costs the stack CPU)")
     p.add_argument("--gateways", type=int, default=1, help="`pagedserve serve --gateways`")
     p.add_argument("--detokenizers", type=int, default=1, help="`pagedserve serve --detokenizers`")
     p.add_argument("--seed", type=int, default=0)
@@ -153,6 +155,8 @@ def transformers_extra() -> dict:
 def hop_rows(hops: dict[str, list[float]]) -> list[list]:
     rows = []
     for name, xs in hops.items():
+        if not xs:
+            continue  # the split needs --tap-split
         ms = [x * 1e3 for x in xs]
         rows.append([name, len(ms), percentile(ms, 50), percentile(ms, 90), percentile(ms, 99)])
     return rows
@@ -238,7 +242,7 @@ def run_stack(args, model_dir: Path, cfg: dict, id_specs: list[Spec], text_specs
             server.start(timeout_s=900)
             model_name = _served_model(url)
             run_closed_loop(url, model_name, [Spec(id_specs[0].prompt[:8], 2)], 1)  # warm-up
-            tap = StreamTap(redis_server.url, num_detok_shards=args.detokenizers).start()
+            tap = StreamTap(redis_server.url, num_detok_shards=args.detokenizers, live=args.tap_split).start()
             res, secs, hops, cpu = stack_part1(url, model_name, id_specs, args, tap,
                                                [server.proc.pid, redis_server.process.pid])
             part2 = run_levels("pagedserve", url, model_name, text_specs, levels, args,

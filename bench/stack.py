@@ -77,20 +77,37 @@ def transformers_server(model: Path, port: int, *, block_size: int, num_blocks: 
 
 
 class StreamTap:
-    """Reads pagedserve's engine -> detok and detok -> gateway streams in a separate process (so the
-    load generator's own CPU time does not delay it) and keeps, per bus request id, the publish time
-    (ms) of every TokenDelta and RequestOutput. The child writes JSON when told to stop."""
+    """Notes, per bus request id, the publish time (ms) of every TokenDelta and RequestOutput.
 
-    def __init__(self, redis_url: str, prefix: str = "ps", num_detok_shards: int = 1):
-        self.redis_url, self.prefix, self.num_detok_shards = redis_url, prefix, num_detok_shards
+    By default it reads the detok streams once, after the run (their entries outlive it), so no
+    process of the measurement competes with the stack for the CPU meanwhile; then only
+    engine -> client is known. ``live``: a separate process also follows the gateways' reply
+    streams (trimmed as they are read) during the run, which splits the trip at the detokenizer
+    but costs the stack some CPU and Redis time."""
+
+    def __init__(self, redis_url: str, prefix: str = "ps", num_detok_shards: int = 1, live: bool = False):
+        self.redis_url, self.prefix, self.num_detok_shards, self.live = redis_url, prefix, num_detok_shards, live
         self.deltas: dict[str, list[tuple[int, int, int]]] = {}  # id -> [(seq, ms, num tokens)]
         self.outputs: dict[str, list[tuple[int, int]]] = {}  # id -> [(seq, ms)]
         self.proc: subprocess.Popen | None = None
         self.out_path: Path | None = None
+        self.start_ids: dict[str, str] = {}
+
+    @property
+    def detok_streams(self) -> list[str]:
+        return [f"{self.prefix}:detok:in:{k}" for k in range(self.num_detok_shards)]
 
     def start(self) -> StreamTap:
         import tempfile
 
+        import redis
+
+        if not self.live:
+            client = redis.Redis.from_url(self.redis_url)
+            for stream in self.detok_streams:
+                last = client.xrevrange(stream, count=1)
+                self.start_ids[stream] = "(" + last[0][0].decode() if last else "-"
+            return self
         self.out_path = Path(tempfile.mkstemp(prefix="pagedserve-tap-", suffix=".json")[1])
         self.proc = subprocess.Popen([sys.executable, __file__, "tap", self.redis_url, self.prefix,
                                       str(self.num_detok_shards), str(self.out_path)], cwd=REPO, stdout=subprocess.PIPE)
@@ -98,6 +115,15 @@ class StreamTap:
         return self
 
     def stop(self) -> None:
+        if not self.live:
+            import redis
+
+            client = redis.Redis.from_url(self.redis_url)
+            deltas, outputs = defaultdict(list), defaultdict(list)
+            for stream, start in self.start_ids.items():
+                _note(client.xrange(stream, min=start), deltas, outputs)
+            self.deltas, self.outputs = dict(deltas), dict(outputs)
+            return
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(timeout=30)
         data = json.loads(self.out_path.read_text())
@@ -106,11 +132,21 @@ class StreamTap:
         self.outputs = {k: [tuple(x) for x in v] for k, v in data["outputs"].items()}
 
 
-def _tap_main(redis_url: str, prefix: str, num_shards: int, out_path: str) -> None:
-    import redis
-
+def _note(entries, deltas: dict, outputs: dict) -> None:
     from shared.entries import payloads
     from shared.protocol import RequestOutput, TokenDelta, decode
+
+    for entry_id, fields in entries:
+        ms = int(entry_id.split(b"-")[0])
+        for msg in map(decode, payloads(fields)):
+            if isinstance(msg, TokenDelta) and msg.new_token_ids:
+                deltas[msg.request_id].append((msg.seq, ms, len(msg.new_token_ids)))
+            elif isinstance(msg, RequestOutput) and msg.text_delta:
+                outputs[msg.request_id].append((msg.seq, ms))
+
+
+def _tap_main(redis_url: str, prefix: str, num_shards: int, out_path: str) -> None:
+    import redis
 
     client = redis.Redis.from_url(redis_url, socket_timeout=10)
     streams = {f"{prefix}:detok:in:{k}": "$" for k in range(num_shards)}
@@ -121,14 +157,8 @@ def _tap_main(redis_url: str, prefix: str, num_shards: int, out_path: str) -> No
     print("ready", flush=True)
     while not stopping:
         for stream, entries in client.xread(streams, count=1000, block=200) or []:
-            for entry_id, fields in entries:
-                streams[stream.decode()] = entry_id.decode()
-                ms = int(entry_id.split(b"-")[0])
-                for msg in map(decode, payloads(fields)):
-                    if isinstance(msg, TokenDelta) and msg.new_token_ids:
-                        deltas[msg.request_id].append((msg.seq, ms, len(msg.new_token_ids)))
-                    elif isinstance(msg, RequestOutput) and msg.text_delta:
-                        outputs[msg.request_id].append((msg.seq, ms))
+            streams[stream.decode()] = entries[-1][0].decode()
+            _note(entries, deltas, outputs)
     Path(out_path).write_text(json.dumps({"deltas": deltas, "outputs": outputs}))
 
 

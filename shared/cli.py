@@ -37,10 +37,11 @@ class Child:
         self.proc = subprocess.Popen([sys.executable, "-m", *self.argv], env=env, start_new_session=True,
                                      preexec_fn=self._prepare)
 
-    def _prepare(self) -> None:  # in the child, before exec
+    def _prepare(self) -> None:  # in the child, after setsid, before exec
         _die_with_parent()
         if self.nice:
             os.nice(self.nice)
+            _set_autogroup_nice(self.nice)
 
     @property
     def is_alive(self) -> bool:
@@ -54,6 +55,17 @@ class Child:
             os.killpg(self.proc.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def _set_autogroup_nice(nice: int) -> None:
+    """With autogroup scheduling (Linux's default on desktops and many VMs) every session is a
+    group that shares the CPU equally with the others, whatever its tasks' niceness: a child that
+    runs in its own session (ours do) sets its group's niceness too, or nice changes nothing."""
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(nice))
+    except OSError:
+        pass  # no autogroup here: the process niceness alone is what counts
 
 
 def serve_parser() -> argparse.ArgumentParser:

@@ -209,13 +209,14 @@ def test_api_key_guards_the_api_but_not_probes():
 def test_command_line_builds_config_and_limits():
     from gateway.__main__ import parse_args
 
-    config, limits, log_level = parse_args(["--redis-url", "redis://h:1/0", "--prefix", "p", "--port", "9",
-                                            "--model", "/m", "--served-model-name", "m", "--api-key", "k",
-                                            "--max-model-len", "64", "--request-timeout", "5"])
+    config, limits, log_level, reuse_port = parse_args(["--redis-url", "redis://h:1/0", "--prefix", "p", "--port", "9",
+                                                        "--model", "/m", "--served-model-name", "m", "--api-key", "k",
+                                                        "--max-model-len", "64", "--request-timeout", "5",
+                                                        "--reuse-port"])
     assert (config.bus.redis_url, config.bus.prefix, config.port, config.model) == ("redis://h:1/0", "p", 9, "/m")
     assert (config.served_model_name, config.api_key, config.max_model_len) == ("m", "k", 64)
-    assert limits == GatewayLimits(idle_timeout_s=5.0) and log_level == "info"
-    assert parse_args([])[1] == GatewayLimits()
+    assert limits == GatewayLimits(idle_timeout_s=5.0) and log_level == "info" and reuse_port
+    assert parse_args([])[1] == GatewayLimits() and not parse_args([])[3]
 
 
 def test_served_model_name_and_aliases():
