@@ -175,7 +175,9 @@ class DetokProcessor:
         choice.text += new_text
         stop_reason: str | int | None = delta.stop_reason
         finish_reason = delta.finish_reason
-        match = choice.stop.check(choice.text, len(new_text))
+        match = None  # as in vLLM, a stop string counts only in text decoded after min_tokens tokens
+        if choice.num_tokens > request.params.min_tokens:
+            match = choice.stop.check(choice.text, len(new_text))
         if match is not None:
             choice.text = choice.text[:match.end]
             stop_reason, finish_reason = match.stop, FinishReason.STOP

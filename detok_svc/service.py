@@ -11,7 +11,8 @@ from detok_svc.processor import DetokProcessor
 from shared.config import DetokConfig
 from shared.protocol import TokenDelta
 from shared.heartbeat import HeartbeatWriter
-from shared.streams import GroupReader, Producer, connect
+from shared.group_reader import GroupReader
+from shared.streams import Producer, connect
 
 log = logging.getLogger(__name__)
 GROUP_DETOK = "detok"

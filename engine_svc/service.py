@@ -19,7 +19,8 @@ from shared.config import EngineServiceConfig
 from shared.protocol import (GROUP_ENGINE, Abort, DetokParams, EngineRequest, ErrorInfo, FinishReason, Message,
                              ProtocolError, RequestOutput, TokenDelta, detok_shard)
 from shared.heartbeat import HeartbeatWriter
-from shared.streams import GroupReader, Producer, StreamReader, connect
+from shared.group_reader import GroupReader
+from shared.streams import Producer, StreamReader, connect
 
 log = logging.getLogger(__name__)
 MAX_REMEMBERED = 100_000

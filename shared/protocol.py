@@ -143,6 +143,7 @@ class DetokParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: bool = False
+    min_tokens: int = 0  # stop strings count only once a sequence has more tokens than this
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

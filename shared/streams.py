@@ -1,4 +1,5 @@
-"""The Redis Streams bus: producers, consumer-group readers and plain readers (sync and asyncio).
+"""The Redis Streams bus: producers and plain readers (sync and asyncio); the consumer-group
+reader is in ``shared.group_reader``.
 
 An entry holds the messages one send put on one stream (``shared/entries.py``); readers hand
 out one Envelope per message, carrying its entry's id. Writers trim with ``MAXLEN ~``. A
@@ -19,7 +20,6 @@ import redis
 import redis.asyncio as aioredis
 
 from shared import entries
-from shared.dead_letters import dead_letter
 from shared.protocol import Message, ProtocolError, decode
 
 log = logging.getLogger(__name__)
@@ -149,173 +149,6 @@ def _decode_entry(stream: str, entry_id: str, fields: dict | None) -> list[Envel
         except ProtocolError as exc:
             log.warning("%s: skipping an invalid message of entry %s: %s", stream, entry_id, exc.message)
     return out
-
-
-# --------------------------------------------------------------------------- group reader
-
-
-class GroupReader:
-    """One consumer of one consumer group on one stream.
-
-    It owns the consumer's cursor: first its own pending entries (a restarted consumer resumes
-    where it stopped), then new ones; now and then it claims entries left idle by dead consumers.
-    It keeps the group alive: NOGROUP (Redis restarted or flushed) re-creates it with backoff.
-    """
-
-    def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str, *,
-                 claim_idle_ms: int | None = 30_000, dlq: str | None = None,
-                 producer: Producer | None = None, max_block_ms: int = 60_000,
-                 accept: tuple[type[Message], ...] | None = None):
-        self.client = client
-        self.stream, self.group, self.consumer = stream, group, consumer
-        self.accept = accept  # other message types are refused like garbage
-        self.claim_idle_ms = claim_idle_ms
-        self.dlq = dlq if dlq is not None else stream.split(":", 1)[0] + ":dlq"
-        self.producer = producer or Producer(client)
-        self.blocking = blocking_client(client, max_block_ms)
-        self._draining = True  # own pending entries first
-        self._pending_cursor = "0"
-        self._claim_cursor = "0-0"
-        self._next_claim = 0.0
-        self._backoff = 0.0
-        self._group_ready = False
-
-    # ----------------------------------------------------------------- group life
-    def ensure_group(self) -> None:
-        try:
-            self.client.xgroup_create(self.stream, self.group, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-        self._group_ready = True
-
-    def _recover(self, exc: Exception) -> None:
-        """NOGROUP or a lost connection: back off (no busy spin), then re-create the group."""
-        self._backoff = min(2.0, max(0.05, self._backoff * 2))
-        log.warning("%s/%s: %s; retrying in %.2fs", self.stream, self.group, exc, self._backoff)
-        time.sleep(self._backoff)
-        self._group_ready = False
-        self._draining, self._pending_cursor, self._claim_cursor = True, "0", "0-0"
-        try:
-            self.ensure_group()
-        except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as again:
-            log.warning("%s/%s: cannot re-create group yet: %s", self.stream, self.group, again)
-
-    # ----------------------------------------------------------------- reading
-    def read(self, count: int = 64, block_ms: int | None = None) -> list[Envelope]:
-        """Up to ``count`` valid messages: own pending, then claimed, then new (blocking up to block_ms)."""
-        _check_block(block_ms)
-        try:
-            if not self._group_ready:
-                self.ensure_group()
-            if self._draining:
-                got = self._read_pending(count)
-                if got is not None:
-                    return got
-            claimed = self._maybe_claim(count)
-            if claimed:
-                return claimed
-            resp = self.blocking.xreadgroup(self.group, self.consumer, {self.stream: ">"},
-                                            count=count, block=block_ms)
-            self._backoff = 0.0
-            return self._accept(resp[0][1] if resp else [])
-        except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            self._recover(exc)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            self._recover(exc)
-        return []
-
-    def _read_pending(self, count: int) -> list[Envelope] | None:
-        resp = self.client.xreadgroup(self.group, self.consumer, {self.stream: self._pending_cursor}, count=count)
-        entries = resp[0][1] if resp else []
-        if not entries:
-            self._draining = False
-            return None
-        self._pending_cursor = _id(entries[-1][0])
-        return self._accept(entries)
-
-    def _maybe_claim(self, count: int) -> list[Envelope]:
-        if self.claim_idle_ms is None or time.monotonic() < self._next_claim:
-            return []
-        resp = self.client.xautoclaim(self.stream, self.group, self.consumer, self.claim_idle_ms,
-                                      start_id=self._claim_cursor, count=count)
-        # Redis 6.2 answers [cursor, entries]; 7.x adds the ids of deleted entries as a third item
-        self._claim_cursor = _id(resp[0])
-        entries, deleted = resp[1], (resp[2] if len(resp) > 2 else [])
-        if deleted:
-            self.client.xack(self.stream, self.group, *deleted)
-        if any(entry_id is None for entry_id, _ in entries):
-            self._ack_vanished()  # 6.2 claims deleted entries but answers nil for them
-        if self._claim_cursor in ("0-0", "0"):
-            self._next_claim = time.monotonic() + max(self.claim_idle_ms / 2000, 0.05)
-        if entries:
-            log.info("%s/%s: %s claimed %d idle entries", self.stream, self.group, self.consumer, len(entries))
-        return self._accept(entries)
-
-    def _ack_vanished(self) -> None:
-        resp = self.client.xreadgroup(self.group, self.consumer, {self.stream: "0"}, count=10_000)
-        gone = [_id(entry_id) for entry_id, fields in (resp[0][1] if resp else []) if not fields]
-        if gone:
-            self.client.xack(self.stream, self.group, *gone)
-
-    def _accept(self, raw_entries: list) -> list[Envelope]:
-        """Decode entries; refused messages are dead-lettered here and never returned, and an
-        entry left with no valid message is acked."""
-        out, refused = [], []
-        for entry_id, fields in raw_entries:
-            if entry_id is None:
-                continue
-            entry_id = _id(entry_id)
-            if fields is None or fields == {}:  # trimmed while pending: nothing left to do
-                refused.append(entry_id)
-                continue
-            try:
-                wires = entries.payloads(fields)
-            except ProtocolError as exc:
-                dead_letter(self.producer, self.dlq, self.stream, entry_id, fields.get(FIELD), exc.message)
-                refused.append(entry_id)
-                continue
-            good = [env for wire in wires if (env := self._accept_one(entry_id, wire)) is not None]
-            if good:
-                out += good
-            else:
-                refused.append(entry_id)
-        if refused:
-            self.client.xack(self.stream, self.group, *refused)
-        return out
-
-    def _accept_one(self, entry_id: str, wire: bytes) -> Envelope | None:
-        try:
-            msg = decode(wire)
-            if self.accept is not None and not isinstance(msg, self.accept):
-                raise ProtocolError(f"{type(msg).__name__} does not belong on {self.stream}")
-        except ProtocolError as exc:
-            dead_letter(self.producer, self.dlq, self.stream, entry_id, wire, exc.message)
-            return None
-        return Envelope(entry_id, msg)
-
-    def ack(self, envelopes: Iterable[Envelope | str]) -> int:
-        ids = list(dict.fromkeys(e.id if isinstance(e, Envelope) else e for e in envelopes))  # entries, once
-        if not ids:
-            return 0
-        try:
-            return int(self.client.xack(self.stream, self.group, *ids))
-        except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            return 0  # the group (and its pending list) is gone: nothing left to ack
-
-    # ----------------------------------------------------------------- inspection
-    def num_pending(self) -> int:
-        try:
-            return int(self.client.xpending(self.stream, self.group)["pending"])
-        except redis.ResponseError:
-            return 0
-
-    def close(self) -> None:
-        self.blocking.close()
 
 
 # --------------------------------------------------------------------------- plain readers

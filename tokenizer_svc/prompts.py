@@ -95,7 +95,8 @@ class PromptEncoder:
                                                   prompt_text=text, prompt_token_ids=tuple(w.ids))))
         s = r.sampling
         detok = DetokParams(stop=s.stop, include_stop_str_in_output=s.include_stop_str_in_output,
-                            skip_special_tokens=s.skip_special_tokens, logprobs=s.logprobs is not None)
+                            skip_special_tokens=s.skip_special_tokens, logprobs=s.logprobs is not None,
+                            min_tokens=s.min_tokens)
         out.append((self.names.engine_in, EngineRequest(
             request_id=r.request_id, reply_to=r.reply_to, prompt_token_ids=tuple(w.ids), sampling=s,
             detok=detok, cache_salt=r.cache_salt, arrival_time=r.arrival_time, deadline=r.deadline,

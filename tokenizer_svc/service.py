@@ -11,7 +11,8 @@ import threading
 from shared.config import TokenizerConfig
 from shared.protocol import GROUP_TOKENIZER, ErrorInfo, FinishReason, GenerateRequest, Message, RequestOutput
 from shared.heartbeat import HeartbeatWriter
-from shared.streams import GroupReader, Producer, connect
+from shared.group_reader import GroupReader
+from shared.streams import Producer, connect
 from tokenizer_svc.prompts import PromptEncoder
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,8 @@ import redis
 import redis.asyncio as aioredis
 
 from shared.protocol import Abort, FinishReason, GenerateRequest, RequestOutput, decode
-from shared.streams import AsyncProducer, AsyncStreamReader, GroupReader, Producer, StreamReader
+from shared.group_reader import GroupReader
+from shared.streams import AsyncProducer, AsyncStreamReader, Producer, StreamReader
 
 
 def _requests(n, reply_to="x:gateway:g1:out"):

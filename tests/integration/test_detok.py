@@ -129,6 +129,18 @@ def test_stop_string_spanning_tokens(hf_tokenizer, stop, include, expected):
     assert processor.process("late", late) == [] and processor.take_ackable() == ["late"]
 
 
+def test_stop_strings_wait_for_min_tokens(hf_tokenizer):
+    text = "one. two. three. four."
+    ids = _ids(hf_tokenizer, text)
+    first_stop = len(_ids(hf_tokenizer, "one."))
+    params = DetokParams(stop=(".",), min_tokens=first_stop)  # the first "." arrives with token min_tokens
+    outputs, aborts, _ = _run(DetokProcessor(hf_tokenizer, StreamNames("x")),
+                              _deltas(hf_tokenizer, text, params=params, finish=False))
+    assert "".join(o.text_delta for o in outputs) == "one. two"
+    assert outputs[-1].finish_reason == FinishReason.STOP and len(aborts) == 1
+    assert len(ids) > first_stop + 2
+
+
 def test_streamed_text_never_shows_a_trimmed_stop_prefix(hf_tokenizer):
     text = "Hello world, the capital of France is Paris."
     processor = DetokProcessor(hf_tokenizer, StreamNames("x"))
