@@ -56,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "step's tokens arrive")
     p.add_argument("--tap-split", action="store_true",
                    help="follow the reply streams live to split the trip at the detokenizer (costs the stack CPU)")
+    p.add_argument("--engine-sched", choices=("normal", "idle"), default="normal",
+                   help="`pagedserve serve --engine-sched`")
     p.add_argument("--gateways", type=int, default=1, help="`pagedserve serve --gateways`")
     p.add_argument("--detokenizers", type=int, default=1, help="`pagedserve serve --detokenizers`")
     p.add_argument("--seed", type=int, default=0)
@@ -233,7 +235,8 @@ def run_stack(args, model_dir: Path, cfg: dict, id_specs: list[Spec], text_specs
 
     with RedisServer() as redis_server:
         port = args.port or free_port()
-        flags = [*engine_flags(cfg), "--engine-nice", str(args.engine_nice), "--gateways", str(args.gateways),
+        flags = [*engine_flags(cfg), "--engine-nice", str(args.engine_nice), "--engine-sched", args.engine_sched,
+                 "--gateways", str(args.gateways),
                  "--detokenizers", str(args.detokenizers)]
         server = pagedserve_server(model_dir, port, redis_server.url, flags, OUT_DIR / "serve-pagedserve.log")
         print(f"   stack: {server.command}", flush=True)

@@ -66,27 +66,21 @@ class DetokService:
     def run_once(self, block_ms: int | None) -> int:
         envelopes = self.from_engine.read(count=self.config.batch_size, block_ms=block_ms)
         outgoing = []
-        for k, env in enumerate(envelopes, 1):
+        for env in envelopes:
             try:
                 outgoing += self.processor.process(env.id, env.msg)
             except Exception as exc:  # never crash-loop on one bad delta: fail its request instead
                 log.exception("delta %s of %s failed", env.id, env.msg.request_id)
                 outgoing += self.processor.fail(env.id, env.msg.request_id, exc)
-            if k % self.config.flush_every == 0 and k < len(envelopes):
-                outgoing = self._send(outgoing)
         if time.monotonic() >= self._next_expiry:
             self._next_expiry = time.monotonic() + 10.0
             outgoing += self.processor.expire(self.config.request_idle_timeout_s)
-        self._send(outgoing)
+        self.to_gateway.send_many(outgoing)
+        self.num_outputs += len(outgoing)
         # only entries no unfinished request holds: the rest replay after a crash
         self.from_engine.ack(self.processor.take_ackable())
         self.heartbeat.beat(self.stats())
         return len(envelopes)
-
-    def _send(self, outgoing: list) -> list:
-        self.to_gateway.send_many(outgoing)
-        self.num_outputs += len(outgoing)
-        return []
 
     def stats(self) -> dict[str, float]:
         return {"num_requests": len(self.processor.requests), "num_outputs": self.num_outputs,

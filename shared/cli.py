@@ -32,6 +32,7 @@ class Child:
     argv: list[str]
     proc: subprocess.Popen | None = None
     nice: int = 0  # added to the niceness before the child starts (every thread it makes inherits it)
+    sched_idle: bool = False  # SCHED_IDLE: any other task that wakes up takes the CPU from it at once
 
     def start(self, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", *self.argv], env=env, start_new_session=True,
@@ -42,6 +43,8 @@ class Child:
         if self.nice:
             os.nice(self.nice)
             _set_autogroup_nice(self.nice)
+        if self.sched_idle:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
     @property
     def is_alive(self) -> bool:
@@ -83,8 +86,10 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"))
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--engine-nice", type=int, default=0,
-                   help="run the engine at this niceness, so the light bus services get a core first when a "
-                        "step's tokens arrive (they need ~1%% of the engine's CPU)")
+                   help="run the engine at this niceness (its session's autogroup too)")
+    p.add_argument("--engine-sched", choices=("normal", "idle"), default="normal",
+                   help="idle: SCHED_IDLE, so that on a CPU-bound engine host the bus services, which need "
+                        "~1%% of its CPU, get a core the moment a step's tokens wake them")
     p.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for /health")
     add_engine_args(p)
     return p
@@ -113,7 +118,7 @@ def build_children(args: argparse.Namespace, redis_url: str, model: str) -> list
     children += [Child(f"tokenizer-{i}", ["tokenizer_svc", *common, "--service-id", f"tokenizer-{i}"])
                  for i in range(args.tokenizers)]
     children.append(Child("engine", ["engine_svc", *common, *shards, "--service-id", "engine-0", *engine_argv(args)],
-                          nice=args.engine_nice))
+                          nice=args.engine_nice, sched_idle=args.engine_sched == "idle"))
     children += [Child(f"detok-{k}", ["detok_svc", *common, *shards, "--shard", str(k), "--service-id", f"detok-{k}"])
                  for k in range(args.detokenizers)]
     return children

@@ -85,7 +85,6 @@ class DetokConfig:
     service_id: str = ""
     batch_size: int = 256
     block_ms: int = 500
-    flush_every: int = 16  # send outputs after this many deltas: the first of a step go on early
     heartbeat_s: float = 1.0
     request_idle_timeout_s: float = 900.0  # no delta for this long: its engine is gone, fail it
 

@@ -74,7 +74,7 @@ def test_serve_answers_then_stops_every_child(tiny_llama_dir, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--model", str(tiny_llama_dir),
                              "--port", str(port), "--kv-cache-memory", "8M", "--max-model-len", "256",
                              "--device", "cpu", "--dtype", "float32", "--detokenizers", "2", "--gateways", "2",
-                             "--engine-nice", "3"],
+                             "--engine-nice", "3", "--engine-sched", "idle"],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
@@ -87,7 +87,7 @@ def test_serve_answers_then_stops_every_child(tiny_llama_dir, tmp_path):
         modules = {pid: _module(pid) for pid in children}
         assert list(modules.values()).count("gateway") == 2
         (engine,) = [pid for pid, module in modules.items() if module == "engine_svc"]
-        assert _nice(engine) == _nice(os.getpid()) + 3
+        assert _nice(engine) == _nice(os.getpid()) + 3 and os.sched_getscheduler(engine) == os.SCHED_IDLE
         for _ in range(6):  # a fresh connection each: the kernel spreads them over both gateways
             reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                                json={"prompt": "Hello world", "max_tokens": 4, "temperature": 0})
