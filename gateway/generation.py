@@ -14,6 +14,7 @@ from gateway.renderer import make_usage
 from shared.protocol import GenerateRequest, RequestOutput
 
 _CANCELLED = object()
+_TIMED_OUT = object()
 MAX_GAPS = 4096
 
 
@@ -50,6 +51,8 @@ class Generation:
         self.output_gaps: list[float] = []  # seconds between successive outputs (inter-token latency)
         self.start_time = time.monotonic()
         self._last_output_time = self.start_time
+        self._waiting_since = self.start_time  # the idle timeout counts from the last call of _next
+        self._watchdog: asyncio.TimerHandle | None = None
         self._echo = [r.echo for r in self.requests]
         for p, text in enumerate(echo_texts or ()):
             if text is not None and self._echo[p]:
@@ -79,6 +82,8 @@ class Generation:
         self.queue.put_nowait(_CANCELLED)
 
     def close(self, reason: str = "client disconnected") -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         for request_id in self.request_ids:
             self.bus.collector.unregister(request_id)
         if not self.is_finished:
@@ -106,13 +111,23 @@ class Generation:
         return self.choices
 
     async def _next(self) -> object:
-        if not self.queue.empty():  # the hot path while streaming: no timer, no task
-            return self.queue.get_nowait()
-        try:
-            async with asyncio.timeout(self.idle_timeout_s):
-                return await self.queue.get()
-        except TimeoutError:
-            raise APIError(503, f"no reply from the serving stack within {self.idle_timeout_s:g}s") from None
+        """The next item of the queue. One timer per generation watches for silence, re-armed
+        only when it fires: a per-item timeout would cost a timer for every token."""
+        self._waiting_since = time.monotonic()
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().call_later(self.idle_timeout_s, self._watch)
+        item = await self.queue.get()
+        if item is _TIMED_OUT:
+            raise APIError(503, f"no reply from the serving stack within {self.idle_timeout_s:g}s")
+        return item
+
+    def _watch(self) -> None:
+        quiet_s = time.monotonic() - self._waiting_since
+        if quiet_s >= self.idle_timeout_s and self.queue.empty():
+            self.queue.put_nowait(_TIMED_OUT)
+        else:
+            self._watchdog = asyncio.get_running_loop().call_later(max(self.idle_timeout_s - quiet_s, 0.01),
+                                                                   self._watch)
 
     def _apply(self, out: RequestOutput) -> Choice | None:
         position = self.positions.get(out.request_id)

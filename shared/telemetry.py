@@ -116,8 +116,9 @@ class Metrics:
             self.time_to_first_token.labels(m).observe(ttft_s)
             if generation_tokens > 1:
                 self.time_per_output_token.labels(m).observe((e2e_s - ttft_s) / (generation_tokens - 1))
+        itl = self.inter_token_latency.labels(m)
         for gap in itl_s:
-            self.inter_token_latency.labels(m).observe(gap)
+            itl.observe(gap)
 
     def update_from_heartbeats(self, engine_stats: Mapping[str, Mapping[str, float]]) -> None:
         """engine id -> Heartbeat.stats of every live engine: sets the gauges, advances the counters."""
