@@ -49,6 +49,7 @@ class _Request:
     choices: dict[int, _Choice] = field(default_factory=dict)
     entry_ids: list[str] = field(default_factory=list)
     last_seen: float = field(default_factory=time.monotonic)
+    engine_id: str = ""  # the engine its deltas come from
 
     @property
     def is_finished(self) -> bool:
@@ -74,6 +75,8 @@ class DetokProcessor:
         request = self._request_for(delta)
         if request is None:
             return []
+        if delta.engine_id:
+            request.engine_id = delta.engine_id
         if not request.entry_ids or request.entry_ids[-1] != entry_id:
             request.entry_ids.append(entry_id)
             self.holders[entry_id] = self.holders.get(entry_id, 0) + 1
@@ -107,14 +110,23 @@ class DetokProcessor:
         return out
 
     def expire(self, max_idle_s: float) -> list[tuple[str, Message]]:
-        """Give up on requests that got no delta for ``max_idle_s`` (their engine died): each
-        gateway gets a 503, and the entries are released."""
+        """Give up on requests that got no delta for ``max_idle_s``: each gateway gets a 503, and
+        the entries are released."""
         now = time.monotonic()
+        return self._give_up([r for r, q in self.requests.items() if now - q.last_seen > max_idle_s],
+                             "the engine stopped answering for this request")
+
+    def fail_engines(self, alive: set[str]) -> list[tuple[str, Message]]:
+        """Give up on the requests of engines that are not ``alive`` (no fresh heartbeat: they died
+        or stopped), so that their clients get a 503 now rather than after the idle timeout."""
+        return self._give_up([r for r, q in self.requests.items() if q.engine_id and q.engine_id not in alive],
+                             "the engine serving this request stopped")
+
+    def _give_up(self, request_ids: list[str], message: str) -> list[tuple[str, Message]]:
         out: list[tuple[str, Message]] = []
-        for request_id in [r for r, q in self.requests.items() if now - q.last_seen > max_idle_s]:
+        for request_id in request_ids:
             request = self._drop(request_id)
-            error = ErrorInfo(message="the engine stopped answering for this request", type="ServiceUnavailableError",
-                              code=503)
+            error = ErrorInfo(message=message, type="ServiceUnavailableError", code=503)
             out.append((request.reply_to, RequestOutput(request_id=request_id, finish_reason=FinishReason.ERROR,
                                                         error=error, num_choices=request.num_choices)))
         return out

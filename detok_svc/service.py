@@ -7,10 +7,12 @@ import signal
 import threading
 import time
 
+import redis
+
 from detok_svc.processor import DetokProcessor
 from shared.config import DetokConfig
 from shared.protocol import TokenDelta
-from shared.heartbeat import HeartbeatWriter
+from shared.heartbeat import HeartbeatWriter, read_heartbeats
 from shared.group_reader import GroupReader
 from shared.streams import Producer, connect
 
@@ -49,6 +51,7 @@ class DetokService:
         self.stopping = threading.Event()
         self.num_outputs = 0
         self._next_expiry = 0.0
+        self._next_engine_check = 0.0
 
     @classmethod
     def from_config(cls, config: DetokConfig) -> DetokService:
@@ -75,12 +78,23 @@ class DetokService:
         if time.monotonic() >= self._next_expiry:
             self._next_expiry = time.monotonic() + 10.0
             outgoing += self.processor.expire(self.config.request_idle_timeout_s)
+        if self.processor.requests and time.monotonic() >= self._next_engine_check:
+            self._next_engine_check = time.monotonic() + self.config.engine_check_s
+            outgoing += self.processor.fail_engines(self._alive_engines())
         self.to_gateway.send_many(outgoing)
         self.num_outputs += len(outgoing)
         # only entries no unfinished request holds: the rest replay after a crash
         self.from_engine.ack(self.processor.take_ackable())
         self.heartbeat.beat(self.stats())
         return len(envelopes)
+
+    def _alive_engines(self) -> set[str]:
+        try:
+            beats = read_heartbeats(self.client, self.config.bus.names.heartbeat,
+                                    max_age_s=self.config.engine_max_age_s)
+        except (redis.ConnectionError, redis.TimeoutError):
+            return {r.engine_id for r in self.processor.requests.values()}  # cannot tell: fail nobody
+        return {service_id for service_id, beat in beats.items() if beat.service == "engine"}
 
     def stats(self) -> dict[str, float]:
         return {"num_requests": len(self.processor.requests), "num_outputs": self.num_outputs,

@@ -15,7 +15,8 @@ from gateway.config import GatewayLimits, gateway_id, served_model_name
 from gateway.errors import APIError
 from shared.config import GatewayConfig
 from shared.models import resolve_model
-from shared.protocol import Abort, GenerateRequest, Heartbeat, ProtocolError, decode
+from shared.protocol import (Abort, ErrorInfo, FinishReason, GenerateRequest, Heartbeat, ProtocolError, RequestOutput,
+                             decode)
 from shared.streams import AsyncProducer, AsyncStreamReader
 
 log = logging.getLogger(__name__)
@@ -94,8 +95,11 @@ class GatewayContext:
             log.warning("abort of %s not sent: %s", request_ids, exc)
 
     async def _beat_forever(self, interval_s: float = 1.0) -> None:
-        """Like every service: a Heartbeat in ps:heartbeat, with the requests this gateway holds."""
+        """Like every service: a Heartbeat in ps:heartbeat, with the requests this gateway holds;
+        and while it holds any, a look at the engines' heartbeats (``fail_if_no_engine``)."""
         while True:
+            if self.collector.num_pending:
+                await self.fail_if_no_engine()
             beat = Heartbeat(service="gateway", service_id=self.service_id, time=time.time(),
                              stats={"num_requests": float(self.num_in_flight),
                                     "num_routes": float(self.collector.num_pending),
@@ -105,6 +109,24 @@ class GatewayContext:
             except Exception as exc:  # Redis restarting: the next beat will do
                 log.warning("heartbeat not written: %s", exc)
             await asyncio.sleep(interval_s)
+
+    async def fail_if_no_engine(self) -> int:
+        """With no engine heartbeat younger than ``heartbeat_max_age_s`` (the engines died or were
+        stopped), fail every request in flight with a 503 now instead of after the idle timeout.
+        Returns how many were failed."""
+        try:
+            if await self.fresh_engines():
+                return 0
+        except Exception:  # Redis unreachable: the reads will tell, nothing to decide here
+            return 0
+        error = ErrorInfo(message=f"no engine is alive (no heartbeat in {self.limits.heartbeat_max_age_s:g}s)",
+                          type="ServiceUnavailableError", code=503)
+        request_ids = list(self.collector.routes)
+        for request_id in request_ids:
+            self.collector.route(RequestOutput(request_id=request_id, finish_reason=FinishReason.ERROR, error=error))
+        if request_ids:
+            log.warning("no engine alive: failed %d requests in flight", len(request_ids))
+        return len(request_ids)
 
     async def heartbeats(self) -> list[Heartbeat]:
         raw = await self.client.hgetall(self.names.heartbeat)

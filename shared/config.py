@@ -87,6 +87,8 @@ class DetokConfig:
     block_ms: int = 500
     heartbeat_s: float = 1.0
     request_idle_timeout_s: float = 900.0  # no delta for this long: its engine is gone, fail it
+    engine_max_age_s: float = 10.0  # an engine whose heartbeat is older is dead: fail its requests
+    engine_check_s: float = 2.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

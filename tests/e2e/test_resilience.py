@@ -1,9 +1,11 @@
-"""A tokenizer replica killed under load: its pending requests are reclaimed, every request completes."""
+"""Processes killed under load: a tokenizer replica's pending requests are reclaimed and every request
+completes; a dead engine's requests fail fast and leave nothing behind."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import time
 
 import openai
 import pytest
@@ -54,3 +56,50 @@ def test_sigkilled_tokenizer_under_load_loses_no_request(stack):
     assert len(results) == 40 and all(r.usage.completion_tokens == 6 for r in results)
     assert num_stranded > 0  # the survivors really did reclaim the dead replica's entries
     assert stranded() == 0
+
+
+def test_a_dead_engine_fails_its_requests_fast_and_leaves_no_state(redis_url, tiny_llama_dir, tmp_path):
+    """SIGKILL the only engine mid-stream: the streaming client gets an error event and a queued
+    request a 503, within the heartbeat age (10 s) and a check (2 s), not after the 600 s idle
+    timeout; the detokenizer and the gateway hold nothing afterwards."""
+    stack = Stack(redis_url, tiny_llama_dir, tmp_path / "logs", max_model_len=TINY_MAX_MODEL_LEN,
+                  engine_args=TINY_ENGINE_ARGS)
+    stack.start()
+    try:
+        engine = stack.service("engine")
+
+        async def scenario():
+            async with openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="x", max_retries=0,
+                                          timeout=120) as client:
+                stream = await client.completions.create(model="tiny", prompt="Count:", max_tokens=900,
+                                                         stream=True, extra_body={"ignore_eos": True})
+                first = await anext(aiter(stream))
+                engine.signal(signal.SIGSTOP)  # frozen mid-stream: no more tokens, no more heartbeats
+                started = asyncio.get_running_loop().time()
+                queued = asyncio.ensure_future(client.completions.create(model="tiny", prompt="Later", max_tokens=4))
+                await asyncio.sleep(0.5)
+                engine.signal(signal.SIGKILL)
+                with pytest.raises(openai.APIError) as streamed:
+                    async for _ in stream:
+                        pass
+                with pytest.raises(openai.APIStatusError) as waiting:
+                    await queued
+                return first, streamed.value, waiting.value, asyncio.get_running_loop().time() - started
+
+        first, streamed, waiting, seconds = asyncio.run(scenario())
+        assert first.choices[0].text is not None
+        assert "stopped" in str(streamed) or "no engine" in str(streamed)
+        assert waiting.status_code == 503 and "no engine is alive" in waiting.message
+        assert seconds < 30
+        deadline = time.monotonic() + 10
+        while True:
+            beats = stack.heartbeats()
+            held = {k: b.stats.get("num_requests", 0) + b.stats.get("num_routes", 0) for k, b in beats.items()
+                    if b.service in ("detok", "gateway")}
+            pending = stack.pending()[f"{stack.names.detok_in(0)}/detok"]
+            if (not any(held.values()) and pending == 0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
+        assert not any(held.values()) and pending == 0, (held, pending)
+    finally:
+        stack.stop()
