@@ -164,13 +164,15 @@ def hop_rows(hops: dict[str, list[float]]) -> list[list]:
     return rows
 
 
-def plot(part1: list[Summary], part2: list[Summary], name: str) -> None:
-    """Top: part 1 (stack vs in-process); bottom: part 2 (vs transformers serve). CDFs, log ms."""
+def plot(part1: list[Summary], part2: list[Summary], hops: dict[str, list[float]], name: str) -> None:
+    """Top: part 1 (stack vs in-process) and the bus's latency per token; bottom: part 2 (vs
+    transformers serve). CDFs, log ms."""
     plt = pyplot()
     parts = [(summaries, title) for summaries, title in ((part1, "part 1"), (part2, "part 2")) if summaries]
     if not parts:
         return
-    fig, axes = plt.subplots(len(parts), 2, figsize=(12, 4 * len(parts)), squeeze=False)
+    num_cols = 3 if hops else 2
+    fig, axes = plt.subplots(len(parts), num_cols, figsize=(6 * num_cols, 4 * len(parts)), squeeze=False)
     for row, (summaries, title) in enumerate(parts):
         for col, attr, what in ((0, "ttfts", "time to first token"), (1, "itls", "inter-token latency")):
             ax = axes[row][col]
@@ -179,13 +181,29 @@ def plot(part1: list[Summary], part2: list[Summary], name: str) -> None:
                 if xs:
                     ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post",
                             label=f"{s.name} c={s.concurrency}", linestyle="--" if "transformers" in s.name else "-")
-            ax.set_xscale("log")
-            ax.set_xlabel("ms (log)")
-            ax.set_ylabel("share of requests" if attr == "ttfts" else "share of gaps between text chunks")
-            ax.set_title(f"{title}: {what} (CDF)")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
+            _cdf_axes(ax, f"{title}: {what} (CDF)",
+                      "share of requests" if attr == "ttfts" else "share of gaps between text chunks")
+        if num_cols == 3 and row > 0:
+            axes[row][2].axis("off")
+    if hops:
+        ax = axes[0][2]
+        for path, xs in hops.items():
+            xs = sorted(x * 1e3 for x in xs if x > 0)
+            if xs:
+                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=path)
+        ax.axvline(2.0, color="grey", linestyle=":", label="target median 2 ms")
+        ax.axhline(0.5, color="grey", linewidth=0.5)
+        _cdf_axes(ax, "part 1: per token, engine XADD -> client read (CDF)", "share of tokens")
     save_figure(fig, name)
+
+
+def _cdf_axes(ax, title: str, ylabel: str) -> None:
+    ax.set_xscale("log")
+    ax.set_xlabel("ms (log)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
 
 
 def report(part1: list[Summary], hops, cpu: dict[str, float], part2: list[Summary], levels: list[int]) -> dict:
@@ -298,7 +316,7 @@ def main(argv=None) -> int:
     if "transformers" not in args.skip and levels:
         part2 += run_transformers(args, model_dir, num_blocks, text_specs, levels)
     figures = report(part1, hops, cpu, part2, levels)
-    plot(part1, part2, f"serve-{Path(args.model).name}.png")
+    plot(part1, part2, hops, f"serve-{Path(args.model).name}.png")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
     return 0

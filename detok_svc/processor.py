@@ -116,10 +116,10 @@ class DetokProcessor:
         return self._give_up([r for r, q in self.requests.items() if now - q.last_seen > max_idle_s],
                              "the engine stopped answering for this request")
 
-    def fail_engines(self, alive: set[str]) -> list[tuple[str, Message]]:
-        """Give up on the requests of engines that are not ``alive`` (no fresh heartbeat: they died
-        or stopped), so that their clients get a 503 now rather than after the idle timeout."""
-        return self._give_up([r for r, q in self.requests.items() if q.engine_id and q.engine_id not in alive],
+    def fail_engines(self, dead: set[str]) -> list[tuple[str, Message]]:
+        """Give up on the requests of ``dead`` engines (their heartbeat went stale or was removed),
+        so that their clients get a 503 now rather than after the idle timeout."""
+        return self._give_up([r for r, q in self.requests.items() if q.engine_id in dead],
                              "the engine serving this request stopped")
 
     def _give_up(self, request_ids: list[str], message: str) -> list[tuple[str, Message]]:

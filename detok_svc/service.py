@@ -52,6 +52,7 @@ class DetokService:
         self.num_outputs = 0
         self._next_expiry = 0.0
         self._next_engine_check = 0.0
+        self._seen_engines: set[str] = set()
 
     @classmethod
     def from_config(cls, config: DetokConfig) -> DetokService:
@@ -80,7 +81,7 @@ class DetokService:
             outgoing += self.processor.expire(self.config.request_idle_timeout_s)
         if self.processor.requests and time.monotonic() >= self._next_engine_check:
             self._next_engine_check = time.monotonic() + self.config.engine_check_s
-            outgoing += self.processor.fail_engines(self._alive_engines())
+            outgoing += self.processor.fail_engines(self._dead_engines())
         self.to_gateway.send_many(outgoing)
         self.num_outputs += len(outgoing)
         # only entries no unfinished request holds: the rest replay after a crash
@@ -88,13 +89,17 @@ class DetokService:
         self.heartbeat.beat(self.stats())
         return len(envelopes)
 
-    def _alive_engines(self) -> set[str]:
+    def _dead_engines(self) -> set[str]:
+        """Engines seen alive before whose heartbeat is now stale or gone. (Only engines once seen:
+        an id this shard never saw beat is no evidence of anything.)"""
         try:
             beats = read_heartbeats(self.client, self.config.bus.names.heartbeat,
                                     max_age_s=self.config.engine_max_age_s)
         except (redis.ConnectionError, redis.TimeoutError):
-            return {r.engine_id for r in self.processor.requests.values()}  # cannot tell: fail nobody
-        return {service_id for service_id, beat in beats.items() if beat.service == "engine"}
+            return set()  # cannot tell: fail nobody
+        alive = {service_id for service_id, beat in beats.items() if beat.service == "engine"}
+        self._seen_engines |= alive
+        return self._seen_engines - alive
 
     def stats(self) -> dict[str, float]:
         return {"num_requests": len(self.processor.requests), "num_outputs": self.num_outputs,
