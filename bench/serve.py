@@ -193,13 +193,14 @@ def plot(part1: list[Summary], part2: list[Summary], hops: dict[str, list[float]
                 ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=path)
         ax.axvline(2.0, color="grey", linestyle=":", label="target median 2 ms")
         ax.axhline(0.5, color="grey", linewidth=0.5)
-        _cdf_axes(ax, "part 1: per token, engine XADD -> client read (CDF)", "share of tokens")
+        _cdf_axes(ax, "part 1: per token, engine XADD -> client read (CDF)", "share of tokens", log=False)
     save_figure(fig, name)
 
 
-def _cdf_axes(ax, title: str, ylabel: str) -> None:
-    ax.set_xscale("log")
-    ax.set_xlabel("ms (log)")
+def _cdf_axes(ax, title: str, ylabel: str, log: bool = True) -> None:
+    if log:
+        ax.set_xscale("log")
+    ax.set_xlabel("ms (log)" if log else "ms")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
