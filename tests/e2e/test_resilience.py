@@ -39,15 +39,19 @@ def test_sigkilled_tokenizer_under_load_loses_no_request(stack):
         async with openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="x", max_retries=0,
                                       timeout=180) as client:
             await client.models.list()  # a warm connection, so the burst lands at once
-            # stopped, the victim still holds its blocking XREADGROUP for up to 500 ms: Redis hands it
-            # entries it will never process -- what a replica dying mid-batch leaves pending
-            victim.signal(signal.SIGSTOP)
+            replicas = [stack.service(f"tokenizer-{i}") for i in range(3)]
+            for replica in replicas:  # nobody reads while the burst arrives...
+                replica.signal(signal.SIGSTOP)
             tasks = [asyncio.ensure_future(client.completions.create(
                 model="tiny", prompt=f"Load {i}:", max_tokens=6, temperature=0, extra_body={"ignore_eos": True}))
                 for i in range(40)]
             await asyncio.sleep(1.0)
+            with stack.redis() as redis_client:  # ...then the victim takes a batch it will never process
+                redis_client.xreadgroup(GROUP_TOKENIZER, "tokenizer-0", {stack.names.tokenizer_in: ">"}, count=8)
             num_stranded = stranded()
             victim.signal(signal.SIGKILL)
+            for replica in replicas[1:]:
+                replica.signal(signal.SIGCONT)
             return num_stranded, await asyncio.gather(*tasks, return_exceptions=True)
 
     num_stranded, results = asyncio.run(scenario())
