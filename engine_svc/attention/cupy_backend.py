@@ -36,6 +36,7 @@ NUM_THREADS = 128
 PARTITION = 512
 HEAD_CHUNK = 4
 ATTENTION_SHARED_BYTES = HEAD_CHUNK * PARTITION * 4
+TILE_QUERIES = 32  # query vectors (row, GQA head) per tiled-prefill block: kTileQueries in paged_prefill.cu
 COPY_THREADS = 256
 SPLIT_BLOCKS_PER_SM = 4  # split-K only when (seqs x kv heads) blocks would not fill the GPU
 
@@ -60,6 +61,16 @@ class KernelLauncher(Protocol):
 
 def supports(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
     return dtype in DTYPE_NAMES and head_dim in HEAD_SIZES and block_size in BLOCK_SIZES
+
+
+def prefill_grid(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int) -> tuple[int, int, int]:
+    """The tiled prefill grid from shapes alone (no device sync): a block serves `rows` rows of one
+    sequence x up to TILE_QUERIES heads of a GQA group (wider groups split along z); sequence s owns
+    the tiles s + qsl[s] // rows onwards, so num_tokens // rows + num_seqs tiles cover any batch."""
+    group = num_heads // num_kv_heads
+    heads_per_block = min(group, TILE_QUERIES)
+    rows = TILE_QUERIES // heads_per_block
+    return num_tokens // rows + num_seqs, num_kv_heads, -(-group // heads_per_block)
 
 
 def _ptr(t: torch.Tensor | None) -> np.uint64:
@@ -253,9 +264,12 @@ class CupyAttentionBackend:
         args = (_ptr(out), _ptr(query), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), _ptr(query_start_loc),
                 _ptr(context_lens), np.float32(scale), np.int32(num_seqs), np.int32(num_heads),
                 np.int32(num_kv_heads), np.int32(block_tables.shape[1]), np.int64(query.stride(0)))
-        name = f"ps_paged_prefill_{config.dtype}_h{config.head_dim}_b{config.block_size}"
-        self.launcher.launch(device, config, name, (num_tokens, num_kv_heads, 1), (NUM_THREADS, 1, 1), args,
-                             ATTENTION_SHARED_BYTES)
+        suffix = f"{config.dtype}_h{config.head_dim}_b{config.block_size}"
+        self.launcher.launch(device, config, f"ps_paged_prefill_{suffix}",
+                             prefill_grid(num_tokens, num_seqs, num_heads, num_kv_heads), (NUM_THREADS, 1, 1), args)
+        # sequences with one new token (decode rows of a mixed batch) go through the row kernel
+        self.launcher.launch(device, config, f"ps_paged_prefill_single_{suffix}", (num_seqs, num_kv_heads, 1),
+                             (NUM_THREADS, 1, 1), args, ATTENTION_SHARED_BYTES)
         return out.to(out_dtype)
 
     # ------------------------------------------------------------------ helpers

@@ -88,16 +88,29 @@ def decode_split_f16(launcher: EmuLauncher) -> None:
             seed=14)
 
 
-def prefill_bf16(launcher: EmuLauncher) -> None:
-    g = torch.Generator().manual_seed(15)
-    seqs = [(5, 5), (21, 2)]  # (context, new tokens)
-    kv = make_paged_kv([c for c, _ in seqs], num_kv_heads=1, head_dim=128, block_size=16, dtype=torch.bfloat16,
+def _prefill(launcher, seqs, *, dtype, head_dim, gqa, seed) -> None:
+    g = torch.Generator().manual_seed(seed)
+    kv = make_paged_kv([c for c, _ in seqs], num_kv_heads=1, head_dim=head_dim, block_size=16, dtype=dtype,
                        generator=g)
-    query_start_loc = torch.tensor([0, 5, 7], dtype=torch.int32)
-    query = torch.randn(7, 2, 128, generator=g).to(torch.bfloat16)
+    query_start_loc = torch.tensor([0] + [sum(q for _, q in seqs[: i + 1]) for i in range(len(seqs))],
+                                   dtype=torch.int32)
+    query = torch.randn(int(query_start_loc[-1]), gqa, head_dim, generator=g).to(dtype)
     out = CupyAttentionBackend(launcher).paged_prefill(query, kv.k_cache, kv.v_cache, kv.block_tables,
-                                                       query_start_loc, kv.context_lens, 128 ** -0.5)
-    _check(out, reference_prefill(query, kv, query_start_loc, 128 ** -0.5), torch.bfloat16)
+                                                       query_start_loc, kv.context_lens, head_dim ** -0.5)
+    _check(out, reference_prefill(query, kv, query_start_loc, head_dim ** -0.5), dtype)
+
+
+def prefill_bf16(launcher: EmuLauncher) -> None:
+    """Tiles of 16 rows (GQA 2) over key tiles of 16: the 20-token chunk takes two tiles of three key
+    tiles each, so every barrier of the tile loop orders a reuse of shared memory; the one-token
+    sequence goes through the single-row kernel."""
+    _prefill(launcher, [(5, 5), (40, 20), (9, 1)], dtype=torch.bfloat16, head_dim=128, gqa=2, seed=15)
+
+
+def prefill_f32(launcher: EmuLauncher) -> None:
+    """Tiles of 32 rows over key tiles of 32 (head size 64); the second tile of the 34-token chunk
+    has 2 rows, so three of its warps skip the arithmetic and only meet the barriers."""
+    _prefill(launcher, [(50, 34), (3, 2)], dtype=torch.float32, head_dim=64, gqa=1, seed=17)
 
 
 # ------------------------------------------------------------------------------- the emulator itself
@@ -146,7 +159,7 @@ NEIGHBOUR_READS = {"no_sync": (0, 0, True), "shuffle_only": (1, 0, True), "syncw
                    "syncthreads_across_warps": (3, 1, False)}
 
 KERNEL_CASES = {f.__name__: f for f in (reshape_and_cache_f16, copy_blocks_bf16, decode_f32, decode_split_f16,
-                                        prefill_bf16)}
+                                        prefill_bf16, prefill_f32)}
 EMULATOR_CASES = {f.__name__: f for f in (emulator_selftests, unmatched_barriers)}
 CASES = {**KERNEL_CASES, **EMULATOR_CASES}
 CASES.update({f"neighbour_read_{name}": (lambda launcher, m=m, c=c: _neighbour_read(launcher, m, c))

@@ -1,5 +1,6 @@
 """The cupy kernels on the device against the float64 reference and the torch backend, at
-several sizes (up to 64 sequences x 4k tokens), every dtype, both head sizes, split-K on/off."""
+several sizes (up to 64 sequences x 4k tokens), every dtype, both head sizes, split-K on/off,
+tiled prefill at GQA 1, 3, 4 and 36."""
 
 from __future__ import annotations
 
@@ -49,17 +50,23 @@ def test_decode_on_device(backend, dtype, head_dim, block_size, kv_heads, gqa, s
     torch.testing.assert_close(out.cpu().double(), ref, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_prefill_on_device(backend, dtype, head_dim):
-    g = torch.Generator().manual_seed(head_dim)
-    seqs = [(300, 300), (2000, 37), (700, 1), (64, 0), (1030, 250)]
-    kv = _to(make_paged_kv([c for c, _ in seqs], num_kv_heads=2, head_dim=head_dim, block_size=16, dtype=dtype,
-                           generator=g), "cuda")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "block_size", "kv_heads", "gqa"), [(64, 16, 2, 3), (128, 16, 8, 4),
+                                                                         (128, 32, 2, 1), (64, 8, 1, 36)])
+def test_prefill_on_device(backend, dtype, head_dim, block_size, kv_heads, gqa):
+    """Tiled kernel (tiles of 32 / gqa rows, a 36-head group in two chunks) and the single-row kernel."""
+    g = torch.Generator().manual_seed(head_dim + gqa)
+    # a fresh prompt, chunks over long prefixes, a decode row, no new tokens, a two-token chunk
+    seqs = [(600, 600), (2000, 37), (700, 1), (64, 0), (1030, 250), (33, 2)]
+    kv = _to(make_paged_kv([c for c, _ in seqs], num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+                           dtype=dtype, generator=g), "cuda")
     qsl = torch.tensor([0] + [sum(q for _, q in seqs[: i + 1]) for i in range(len(seqs))], dtype=torch.int32)
-    query = torch.randn(int(qsl[-1]), 6, head_dim, generator=g).to(dtype).cuda()
+    heads = kv_heads * gqa
+    fused = torch.randn(int(qsl[-1]), heads + 2 * kv_heads, head_dim, generator=g).to(dtype).cuda()
+    query = fused[:, :heads]  # rows strided, as the model's q view into the fused qkv
     out = backend.paged_prefill(query, kv.k_cache, kv.v_cache, kv.block_tables, qsl.cuda(), kv.context_lens, 0.1)
     torch.cuda.synchronize()
+    assert not torch.isnan(out).any()
     ref = reference_prefill(query.cpu(), _cpu(kv), qsl, 0.1)
     rtol, atol = TOLERANCES[dtype]
     torch.testing.assert_close(out.cpu().double(), ref, rtol=rtol, atol=atol)

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from engine_svc.attention.cupy_backend import ATTENTION_SHARED_BYTES, NUM_THREADS, CupyAttentionBackend
+from engine_svc.attention.cupy_backend import ATTENTION_SHARED_BYTES, NUM_THREADS, CupyAttentionBackend, prefill_grid
 from engine_svc.attention.torch_backend import TorchAttentionBackend
 from tests.cuda_emu.launcher import EmuLauncher, emulated_launcher
 from tests.cuda_emu.paged_data import make_paged_kv, reference_decode, reference_prefill
@@ -78,8 +78,21 @@ def test_prefill_grid_and_half_precision_query_of_another_dtype(launcher):
     assert out.dtype == torch.float32
     ref = reference_prefill(query.half(), kv, qsl, 0.09)
     torch.testing.assert_close(out.double(), ref, rtol=2e-3, atol=2e-3)
-    assert launcher.launches == [("ps_paged_prefill_f16_h128_b8", (12, 1, 1), (NUM_THREADS, 1, 1),
-                                  ATTENTION_SHARED_BYTES)]
+    # GQA 3: tiles of 10 rows, 12 // 10 + 2 tiles; the single-row kernel: a block per sequence
+    assert launcher.launches == [
+        ("ps_paged_prefill_f16_h128_b8", (3, 1, 1), (NUM_THREADS, 1, 1), 0),
+        ("ps_paged_prefill_single_f16_h128_b8", (2, 1, 1), (NUM_THREADS, 1, 1), ATTENTION_SHARED_BYTES),
+    ]
+
+
+@pytest.mark.parametrize(("shape", "grid"), [
+    ((100, 4, 8, 8), (100 // 32 + 4, 8, 1)),  # GQA 1: 32 rows per tile
+    ((100, 4, 6, 2), (100 // 10 + 4, 2, 1)),  # GQA 3: 10 rows x 3 heads
+    ((100, 4, 64, 2), (100 + 4, 2, 1)),  # GQA 32: one row x 32 heads
+    ((100, 4, 36, 1), (100 + 4, 1, 2)),  # GQA 36: one row, heads in two chunks along z
+])
+def test_prefill_grid_follows_the_gqa_group(shape, grid):
+    assert prefill_grid(*shape) == grid
 
 
 def test_reshape_and_cache_slot_mapping_matches_torch(launcher):

@@ -151,30 +151,56 @@ def test_paged_decode_matches_reference(launcher, monkeypatch, dtype, head_dim, 
     _check(out, reference_decode(query, kv, scale), dtype)
 
 
-PREFILL_CASES = [  # dtype, head_dim, block_size, kv_heads, gqa
+PREFILL_CASES = [  # dtype, head_dim, block_size, kv_heads, gqa (36: two head chunks of the tiled kernel)
     (torch.float32, 128, 16, 1, 3),
     (torch.float32, 64, 32, 2, 1),
+    (torch.float32, 64, 8, 1, 36),
     (torch.float16, 64, 8, 1, 3),
+    (torch.float16, 128, 32, 2, 4),
     (torch.bfloat16, 128, 16, 1, 1),
+    (torch.bfloat16, 64, 16, 2, 4),
+    (torch.bfloat16, 128, 8, 1, 8),
 ]
+# (context, new tokens): a fresh prompt (one tile at GQA 1, three at GQA 3), a chunk over a cached
+# prefix of many key tiles, a single token (the single-row kernel), a sequence with no new tokens,
+# a chunk crossing block boundaries, several tiles ending mid-sequence, a two-token prompt
+PREFILL_SEQS = [(23, 23), (1100, 3), (530, 1), (40, 0), (75, 19), (100, 70), (2, 2)]
 
 
-@pytest.mark.parametrize(("dtype", "head_dim", "block_size", "kv_heads", "gqa"), PREFILL_CASES)
-def test_paged_prefill_matches_reference(launcher, monkeypatch, dtype, head_dim, block_size, kv_heads, gqa):
-    g = torch.Generator().manual_seed(7 + head_dim + gqa)
-    # (context, new tokens): a fresh prompt, a chunk over a cached prefix past one partition,
-    # a single token, a sequence with no new tokens, a chunk crossing block boundaries
-    seqs = [(23, 23), (1100, 3), (530, 1), (40, 0), (75, 19)]
+def _run_prefill(launcher, monkeypatch, seqs, *, dtype, head_dim, block_size, kv_heads, gqa, seed):
+    g = torch.Generator().manual_seed(seed)
     kv = make_paged_kv([c for c, _ in seqs], num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
                        dtype=dtype, generator=g)
     query_start_loc = torch.tensor([0] + [sum(q for _, q in seqs[: i + 1]) for i in range(len(seqs))],
                                    dtype=torch.int32)
-    query = torch.randn(int(query_start_loc[-1]), kv_heads * gqa, head_dim, generator=g).to(dtype)
+    # q as the model produces it: a view into the fused qkv projection (rows strided)
+    heads = kv_heads * gqa
+    fused = torch.randn(int(query_start_loc[-1]), heads + 2 * kv_heads, head_dim, generator=g).to(dtype)
+    query = fused[:, :heads]
     scale = head_dim ** -0.5
     _nan_poisoned_empty(monkeypatch)
+    first = len(launcher.launches)
     out = CupyAttentionBackend(launcher).paged_prefill(query, kv.k_cache, kv.v_cache, kv.block_tables,
                                                        query_start_loc, kv.context_lens, scale)
+    assert [name.rsplit("_", 3)[0] for name, *_ in launcher.launches[first:]] == ["ps_paged_prefill",
+                                                                                 "ps_paged_prefill_single"]
     _check(out, reference_prefill(query, kv, query_start_loc, scale), dtype)
+
+
+@pytest.mark.parametrize(("dtype", "head_dim", "block_size", "kv_heads", "gqa"), PREFILL_CASES)
+def test_paged_prefill_matches_reference(launcher, monkeypatch, dtype, head_dim, block_size, kv_heads, gqa):
+    _run_prefill(launcher, monkeypatch, PREFILL_SEQS, dtype=dtype, head_dim=head_dim, block_size=block_size,
+                 kv_heads=kv_heads, gqa=gqa, seed=7 + head_dim + gqa)
+
+
+@pytest.mark.parametrize("gqa", [1, 3])
+def test_paged_prefill_tiles_cover_many_short_sequences(launcher, monkeypatch, gqa):
+    """Lengths around the rows per tile (32 at GQA 1, 10 at GQA 3): the grid bound num_tokens // R
+    + num_seqs must reach every sequence's last tile (an unwritten row stays NaN)."""
+    q_lens = [31, 33, 2, 63, 1, 0, 64, 9, 11, 10, 21, 1, 2]
+    seqs = [(q + extra, q) for q, extra in zip(q_lens, [0, 5, 0, 17, 3, 0, 1, 0, 40, 0, 0, 0, 30])]
+    _run_prefill(launcher, monkeypatch, seqs, dtype=torch.float32, head_dim=64, block_size=16, kv_heads=2, gqa=gqa,
+                 seed=gqa)
 
 
 def test_torch_backend_agrees_with_the_dense_reference():

@@ -35,7 +35,8 @@ pytestmark = pytest.mark.skipif(_nvcc() is None, reason="nvcc not found: CUDA co
 def _kernel_names(dtype: str, head: int, block: int) -> list[str]:
     """The names cupy_backend looks up for one configuration."""
     return [f"ps_reshape_and_cache_{dtype}", "ps_copy_blocks", f"ps_paged_decode_{dtype}_h{head}_b{block}",
-            f"ps_paged_decode_reduce_{dtype}_h{head}", f"ps_paged_prefill_{dtype}_h{head}_b{block}"]
+            f"ps_paged_decode_reduce_{dtype}_h{head}", f"ps_paged_prefill_{dtype}_h{head}_b{block}",
+            f"ps_paged_prefill_single_{dtype}_h{head}_b{block}"]
 
 
 def _compile(nvcc: str, src: Path, defines: list[str], tmp: Path) -> str:
