@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 class Server:
-    """One server process (own session, so its whole group can be stopped) and its log file."""
+    """One server process and its log file. It leads its own process group (stopped as a whole) in
+    this session: same autogroup as the measuring client, as `pagedserve serve` keeps its services."""
 
     def __init__(self, name: str, argv: list[str], health_url: str, log_path: Path, env: dict | None = None):
         self.name, self.argv, self.health_url, self.log_path = name, argv, health_url, log_path
@@ -37,7 +38,7 @@ class Server:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.argv, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     process_group=0)
         if not wait_http(self.health_url, timeout_s, self.proc):
             self.stop()
             tail = self.log_path.read_text(errors="replace")[-2000:]

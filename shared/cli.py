@@ -1,8 +1,12 @@
 """`pagedserve`: run the whole stack (`serve`) or one service (`gateway|tokenizer|engine|detok`).
 
 Services start as child processes by module name; this module imports none of them (the
-wall in DESIGN.md). Children run in sessions of their own and die with this process
-(PR_SET_PDEATHSIG), so neither Ctrl-C, SIGTERM nor a SIGKILL of `pagedserve` leaves orphans.
+wall in DESIGN.md). Each child leads a process group of its own (what it starts is signalled
+with it) but stays in this session, and dies with this process (PR_SET_PDEATHSIG), so neither
+Ctrl-C, SIGTERM nor a SIGKILL of `pagedserve` leaves orphans. Staying in one session matters
+for scheduling: Linux's autogroups give every session an equal share of the CPU and let a
+waking task preempt only within its group, so the engine's SCHED_IDLE (``--engine-sched idle``,
+the default) yields the CPU at once to the bus services only when they share its session.
 """
 
 from __future__ import annotations
@@ -32,17 +36,16 @@ class Child:
     argv: list[str]
     proc: subprocess.Popen | None = None
     nice: int = 0  # added to the niceness before the child starts (every thread it makes inherits it)
-    sched_idle: bool = False  # SCHED_IDLE: any other task that wakes up takes the CPU from it at once
+    sched_idle: bool = False  # SCHED_IDLE: a task of this session that wakes up takes the CPU from it at once
 
     def start(self, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", *self.argv], env=env, start_new_session=True,
+        self.proc = subprocess.Popen([sys.executable, "-m", *self.argv], env=env, process_group=0,
                                      preexec_fn=self._prepare)
 
-    def _prepare(self) -> None:  # in the child, after setsid, before exec
+    def _prepare(self) -> None:  # in the child, after setpgid, before exec
         _die_with_parent()
         if self.nice:
             os.nice(self.nice)
-            _set_autogroup_nice(self.nice)
         if self.sched_idle:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
@@ -60,17 +63,6 @@ class Child:
             pass
 
 
-def _set_autogroup_nice(nice: int) -> None:
-    """With autogroup scheduling (Linux's default on desktops and many VMs) every session is a
-    group that shares the CPU equally with the others, whatever its tasks' niceness: a child that
-    runs in its own session (ours do) sets its group's niceness too, or nice changes nothing."""
-    try:
-        with open("/proc/self/autogroup", "w") as f:
-            f.write(str(nice))
-    except OSError:
-        pass  # no autogroup here: the process niceness alone is what counts
-
-
 def serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedserve serve", description="the whole stack on one machine")
     p.add_argument("--model", default=os.environ.get("PAGEDSERVE_MODEL"),
@@ -85,11 +77,11 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--detokenizers", type=int, default=1)
     p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"))
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--engine-nice", type=int, default=0,
-                   help="run the engine at this niceness (its session's autogroup too)")
-    p.add_argument("--engine-sched", choices=("normal", "idle"), default="normal",
-                   help="idle: SCHED_IDLE, so that on a CPU-bound engine host the bus services, which need "
-                        "~1%% of its CPU, get a core the moment a step's tokens wake them")
+    p.add_argument("--engine-nice", type=int, default=0, help="run the engine at this niceness")
+    p.add_argument("--engine-sched", choices=("normal", "idle"), default="idle",
+                   help="idle (default): SCHED_IDLE, so that the bus services, which need ~1%% of the engine's "
+                        "CPU, get a core the moment a step's tokens wake them; normal: when other CPU-bound work "
+                        "shares this session and must not starve the engine")
     p.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for /health")
     add_engine_args(p)
     return p

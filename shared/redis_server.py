@@ -92,7 +92,7 @@ class RedisServer:
                 self.port = free_port(self.host)
             self.process = subprocess.Popen(self._args(binary, workdir), stdin=subprocess.DEVNULL,
                                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                            start_new_session=True,  # Ctrl-C is for our owner, not for it
+                                            process_group=0,  # Ctrl-C is for our owner; the session (autogroup) stays ours
                                             preexec_fn=_die_with_parent)
             if self._wait_ready():
                 log.info("redis-server %s listening on %s", binary, self.url)
