@@ -15,7 +15,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from detok_svc.incremental import IncrementalDetokenizer, TokenStrings
+from detok_svc.incremental import IncrementalDetokenizer, TokenStrings, text_decoder
 from detok_svc.stop import StopChecker
 from shared.protocol import (Abort, DetokParams, ErrorInfo, FinishReason, Message, RequestOutput, StreamNames, TextLogprobs,
                              TokenDelta, TokenLogprobs, Usage)
@@ -26,8 +26,8 @@ MAX_FINISHED_IDS = 100_000
 class _Choice:
     """One sequence (choice ``index``) of a request: its detokenizer, stop checker and what was sent."""
 
-    def __init__(self, tokenizer, params: DetokParams):
-        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+    def __init__(self, tokenizer, params: DetokParams, decode):
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens, decode=decode)
         self.stop = StopChecker(params.stop, params.include_stop_str_in_output)
         self.text = ""  # decoded output text, after any stop-string cut
         self.num_sent = 0  # characters of text already sent
@@ -62,6 +62,7 @@ class DetokProcessor:
 
     def __init__(self, tokenizer, names: StreamNames):
         self.tokenizer = tokenizer
+        self.decode = text_decoder(tokenizer)
         self.strings = TokenStrings(tokenizer)
         self.names = names
         self.requests: dict[str, _Request] = {}
@@ -161,7 +162,7 @@ class DetokProcessor:
         if choice is None:
             if not 0 <= delta.index < request.num_choices:
                 return []
-            choice = request.choices[delta.index] = _Choice(self.tokenizer, request.params)
+            choice = request.choices[delta.index] = _Choice(self.tokenizer, request.params, self.decode)
         if delta.seq <= choice.last_seq or choice.finish_reason is not None:
             return []  # a duplicate, or tokens of a choice a stop string already ended
         choice.last_seq = delta.seq
@@ -169,7 +170,7 @@ class DetokProcessor:
         request.num_cached_tokens = max(request.num_cached_tokens, delta.num_cached_tokens)
         if delta.error is not None:  # the engine gave up on the whole request
             for index in range(request.num_choices):
-                request.choices.setdefault(index, _Choice(self.tokenizer, request.params))
+                request.choices.setdefault(index, _Choice(self.tokenizer, request.params, self.decode))
                 request.choices[index].finish_reason = FinishReason.ERROR
             return [(request.reply_to, RequestOutput(request_id=delta.request_id, seq=delta.seq, index=delta.index,
                                                      finish_reason=FinishReason.ERROR, error=delta.error,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import threading
@@ -56,7 +57,9 @@ class DetokService:
 
     @classmethod
     def from_config(cls, config: DetokConfig) -> DetokService:
-        return cls(config, DetokProcessor(load_tokenizer(config.model), config.bus.names))
+        processor = DetokProcessor(load_tokenizer(config.model), config.bus.names)
+        gc.freeze()  # the tokenizer lives as long as the process: keep it out of every full collection
+        return cls(config, processor)
 
     def run(self) -> None:
         self.from_engine.ensure_group()
