@@ -57,10 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from gateway.app import build_app
+    from gateway.direct_write import capture_raw_send
 
     config, limits, log_level, reuse_port = parse_args(argv)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s gateway %(levelname)s %(name)s: %(message)s")
-    server = uvicorn.Server(uvicorn.Config(build_app(config, limits), host=config.host, port=config.port,
+    app = capture_raw_send(build_app(config, limits))  # for the per-token fast path (direct_write.py)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                            log_level=log_level, timeout_graceful_shutdown=5))
     server.run(sockets=[shared_port_socket(config.host, config.port)] if reuse_port else None)
     return 0

@@ -22,7 +22,8 @@ class Collector:
 
     Exactly one task per gateway reads ``ps:gateway:{gid}:out`` (plain XREAD), so N requests in
     flight cost one blocking Redis call, not N. An output for a request that is not registered
-    (it finished, timed out or its client left) is dropped: nobody is waiting for it.
+    (it finished, timed out or its client left) is dropped: nobody is waiting for it. A request
+    may also register a ``direct`` callable, tried first (the streaming fast path, direct_write.py).
     """
 
     def __init__(self, reader: _Reader, *, batch: int = 512, block_ms: int = 1000, retry_s: float = 0.5,
@@ -36,14 +37,21 @@ class Collector:
         self.block_ms = block_ms
         self.retry_s = retry_s
         self.routes: dict[str, asyncio.Queue] = {}
+        # request_id -> a callable that delivers an output at once and says whether it did
+        self.direct: dict[str, Callable[[RequestOutput], bool]] = {}
         self.num_dropped = 0
+        self.num_direct = 0
         self._task: asyncio.Task | None = None
 
-    def register(self, request_id: str, queue: asyncio.Queue) -> None:
+    def register(self, request_id: str, queue: asyncio.Queue,
+                 direct: Callable[[RequestOutput], bool] | None = None) -> None:
         self.routes[request_id] = queue
+        if direct is not None:
+            self.direct[request_id] = direct
 
     def unregister(self, request_id: str) -> None:
         self.routes.pop(request_id, None)
+        self.direct.pop(request_id, None)
 
     @property
     def num_pending(self) -> int:
@@ -88,5 +96,9 @@ class Collector:
         queue = self.routes.get(msg.request_id)
         if queue is None:
             self.num_dropped += 1
+            return
+        direct = self.direct.get(msg.request_id)
+        if direct is not None and direct(msg):
+            self.num_direct += 1
             return
         queue.put_nowait(msg)

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 from gateway.choice import Choice, PromptInfo
+from gateway.direct_write import DirectWriter
 from gateway.errors import APIError
 from gateway.openai_protocol import UsageInfo
 from gateway.renderer import make_usage
@@ -54,6 +55,8 @@ class Generation:
         self._waiting_since = self.start_time  # the idle timeout counts from the last call of _next
         self._watchdog: asyncio.TimerHandle | None = None
         self._echo = [r.echo for r in self.requests]
+        self.is_parked = False  # events() waits on an empty queue: everything before is delivered
+        self.direct_writer: DirectWriter | None = None  # set by the responder once the stream began
         for p, text in enumerate(echo_texts or ()):
             if text is not None and self._echo[p]:
                 self._set_echo(p, text)
@@ -68,7 +71,7 @@ class Generation:
 
     async def start(self) -> None:
         for request_id in self.request_ids:
-            self.bus.collector.register(request_id, self.queue)
+            self.bus.collector.register(request_id, self.queue, self.deliver_now)
         try:
             await self.bus.submit(self.requests)
         except BaseException:
@@ -116,7 +119,11 @@ class Generation:
         self._waiting_since = time.monotonic()
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().call_later(self.idle_timeout_s, self._watch)
-        item = await self.queue.get()
+        self.is_parked = True
+        try:
+            item = await self.queue.get()
+        finally:
+            self.is_parked = False
         if item is _TIMED_OUT:
             raise APIError(503, f"no reply from the serving stack within {self.idle_timeout_s:g}s")
         return item
@@ -128,6 +135,24 @@ class Generation:
         else:
             self._watchdog = asyncio.get_running_loop().call_later(max(self.idle_timeout_s - quiet_s, 0.01),
                                                                    self._watch)
+
+    def deliver_now(self, out: RequestOutput) -> bool:
+        """The collector's fast path: apply a plain text delta and write it to the client at once,
+        in order because nothing is queued and ``events()`` is parked. False: queue it instead."""
+        writer = self.direct_writer
+        if writer is None or not self.is_parked or not self.queue.empty() or out.error is not None \
+                or out.usage is not None or out.prompt_text is not None:
+            return False
+        position = self.positions.get(out.request_id)
+        if position is None or not 0 <= out.index < self.n:
+            return False
+        choice = self.choices[position * self.n + out.index]
+        if not writer.accepts(choice, out):
+            return False
+        if self._apply(out) is not None:
+            writer.write(choice, out)
+            self._waiting_since = self._last_output_time  # the idle watchdog counts from here
+        return True
 
     def _apply(self, out: RequestOutput) -> Choice | None:
         position = self.positions.get(out.request_id)

@@ -77,11 +77,16 @@ class Renderer:
         self.created = int(time.time())
         self._text_template: tuple[bytes, bytes, bytes] | None = None
 
+    def is_plain_text(self, choice: Choice, out: RequestOutput) -> bool:
+        """Whether ``out`` is a plain text delta of a started choice (``text_event`` renders it)."""
+        return (not self.want_logprobs and choice.is_started and bool(out.text_delta)
+                and out.finish_reason is None)
+
     def text_event(self, choice: Choice, out: RequestOutput) -> bytes | None:
         """The SSE event of a plain text delta -- the hot path while streaming -- filled into the
         bytes of a chunk the pydantic model rendered once; None when the chunk needs the model
         (a choice's first chunk, logprobs, the finish)."""
-        if self.want_logprobs or not choice.is_started or not out.text_delta or out.finish_reason is not None:
+        if not self.is_plain_text(choice, out):
             return None
         if self._text_template is None:
             rendered = sse(self._plain_text_chunk(_INDEX, _TEXT))

@@ -13,6 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 
+from gateway.direct_write import DirectWriter
 from gateway.errors import APIError
 from gateway.generation import Generation
 from gateway.renderer import Renderer, sse
@@ -40,7 +41,7 @@ class GenerationResponse:
         watcher.add_done_callback(self._on_disconnect)
         try:
             if self.stream:
-                await self._send_stream(send)
+                await self._send_stream(scope, send)
             else:
                 await self._send_body(send)
         finally:
@@ -66,7 +67,7 @@ class GenerationResponse:
         await send({"type": "http.response.start", "status": 200, "headers": JSON_HEADERS})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
-    async def _send_stream(self, send) -> None:
+    async def _send_stream(self, scope, send) -> None:
         events = self._events()
         try:
             try:
@@ -78,6 +79,7 @@ class GenerationResponse:
                 return
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
             await send({"type": "http.response.body", "body": first, "more_body": True})
+            self.generation.direct_writer = DirectWriter.attach(scope, self.renderer)  # the per-token fast path
             try:
                 async for chunk in events:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})

@@ -1,0 +1,114 @@
+"""The per-token fast path (gateway/direct_write.py) under a real uvicorn server.
+
+Outputs arrive one at a time, as from the bus, so that the stream's task is parked when most of
+them land: those go straight to the transport. The client must see exactly what the ASGI path
+sends (compared with Starlette's TestClient, which has no raw send and so never takes the fast
+path), and a stream longer than the idle timeout must not time out while its chunks flow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import threading
+import time
+
+import pytest
+import uvicorn
+from starlette.testclient import TestClient
+
+from gateway.app import build_app
+from gateway.config import GatewayLimits
+from gateway.direct_write import capture_raw_send
+from shared.config import GatewayConfig
+from shared.redis_server import free_port
+from tests.unit.test_gateway_flow import ScriptedContext, sse_events, words
+
+TEXTS = tuple(f" w{i}" for i in range(30))
+
+
+class PacedContext(ScriptedContext):
+    """Routes each scripted output ``gap_s`` after the previous one."""
+
+    gap_s = 0.01
+
+    async def submit(self, requests):
+        self.submitted.extend(requests)
+        loop = asyncio.get_running_loop()
+        outs = [out for request in requests for out in self.script(request)]
+        for k, out in enumerate(outs):
+            loop.call_later(self.gap_s * (k + 1), self.collector.route, out)
+
+
+class Server:
+    """uvicorn (httptools) in a thread, serving the gateway app as `python -m gateway` does."""
+
+    def __init__(self, ctx: ScriptedContext, config: GatewayConfig):
+        self.port = free_port()
+        app = capture_raw_send(build_app(config, context=ctx))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, http="httptools",
+                                                    log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    def stream(self, body: dict) -> list:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        text = resp.read().decode()
+        conn.close()
+        return [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+
+
+def _script(request):
+    return words(request, TEXTS)
+
+
+def _comparable(events: list) -> list:
+    return [e if e == "[DONE]" else {k: v for k, v in json.loads(e).items() if k not in ("id", "created")}
+            for e in events]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_fast_path_sends_what_the_asgi_path_sends(n):
+    config = GatewayConfig(served_model_name="tiny")
+    body = {"model": "tiny", "prompt": "hi", "stream": True, "n": n, "max_tokens": 64,
+            "stream_options": {"include_usage": True}}
+    ctx = PacedContext(config, GatewayLimits(), _script)
+    with Server(ctx, config) as server:
+        fast = server.stream(body)
+    assert ctx.collector.num_direct >= n * len(TEXTS) // 2  # most plain deltas took the fast path
+
+    slow_ctx = ScriptedContext(config, GatewayLimits(), _script)
+    with TestClient(build_app(config, context=slow_ctx)) as client:
+        slow = [e if e == "[DONE]" else json.dumps(e) for e in sse_events(client.post("/v1/completions", json=body))]
+    assert slow_ctx.collector.num_direct == 0
+    assert _comparable(fast) == _comparable(slow)
+    texts = {i: "".join(json.loads(e)["choices"][0]["text"] for e in fast[:-1]
+                        if json.loads(e)["choices"] and json.loads(e)["choices"][0]["index"] == i) for i in range(n)}
+    assert texts == {i: "".join(f"{t}{i}" for t in TEXTS) for i in range(n)}
+    assert not ctx.collector.routes and not ctx.aborted  # finished: nothing left, nothing aborted
+
+
+def test_a_stream_longer_than_the_idle_timeout_does_not_time_out():
+    config = GatewayConfig(served_model_name="tiny")
+    ctx = PacedContext(config, GatewayLimits(idle_timeout_s=0.15), _script)
+    ctx.gap_s = 0.02  # 30 outputs over 0.6 s, none more than 0.02 s apart
+    with Server(ctx, config) as server:
+        events = server.stream({"model": "tiny", "prompt": "hi", "stream": True, "max_tokens": 64})
+    assert ctx.collector.num_direct > 0
+    assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1])
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == "".join(f"{t}0" for t in TEXTS)
