@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "step's tokens arrive")
     p.add_argument("--tap-split", action="store_true",
                    help="follow the reply streams live to split the trip at the detokenizer (costs the stack CPU)")
-    p.add_argument("--engine-sched", choices=("normal", "idle"), default="normal",
+    p.add_argument("--engine-sched", choices=("normal", "idle"), default="idle",
                    help="`pagedserve serve --engine-sched`")
     p.add_argument("--gateways", type=int, default=1, help="`pagedserve serve --gateways`")
     p.add_argument("--detokenizers", type=int, default=1, help="`pagedserve serve --detokenizers`")
