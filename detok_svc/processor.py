@@ -158,6 +158,8 @@ class DetokProcessor:
             self.finished.popitem(last=False)
 
     def _apply(self, request: _Request, delta: TokenDelta) -> list[tuple[str, Message]]:
+        if delta.seq < 0:  # the engine's announcement: the request (and its engine) is known, no text yet
+            return []
         choice = request.choices.get(delta.index)
         if choice is None:
             if not 0 <= delta.index < request.num_choices:

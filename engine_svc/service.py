@@ -118,7 +118,16 @@ class EngineService:
             return self._refuse(req, ErrorInfo(message=f"engine error: {type(exc).__name__}",
                                                type="InternalServerError", code=500))
         self.routes[rid] = _Route(req.reply_to, req.detok, req.sampling.n)
-        return []
+        return [self._announce(rid)]
+
+    def _announce(self, rid: str) -> tuple[str, Message]:
+        """A token-less delta (seq -1) that tells the request's detok shard it is admitted and by
+        which engine, so that if this engine dies before the first token the shard fails the request
+        at once instead of its client waiting for the idle timeout."""
+        route = self.routes[rid]
+        delta = TokenDelta(request_id=rid, seq=-1, engine_id=self.config.service_id, num_choices=route.num_choices,
+                           reply_to=route.reply_to, detok=route.detok)
+        return self.names.detok_in(detok_shard(rid, self.config.num_detok_shards)), delta
 
     def _refuse(self, req: EngineRequest, error: ErrorInfo) -> list[tuple[str, Message]]:
         self.finished.add(req.request_id)

@@ -249,7 +249,8 @@ class Abort(Message):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TokenDelta(Message):
-    """engine -> detok: the new tokens of one sequence (choice ``index``) of a request."""
+    """engine -> detok: the new tokens of one sequence (choice ``index``) of a request. On
+    admission the engine announces the request with a token-less delta of seq -1."""
 
     TAG: ClassVar[int] = 4
     request_id: str
@@ -264,7 +265,7 @@ class TokenDelta(Message):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_choices: int = 1
-    # only on a request's first delta (seq == 0): where to reply and how to detokenize
+    # only on the announcement and each choice's first delta (seq 0): where to reply, how to detokenize
     reply_to: str | None = None
     detok: DetokParams | None = None
     error: ErrorInfo | None = None

@@ -88,11 +88,21 @@ class Stack:
         self.services.append(service)
         return service
 
-    def start(self, timeout_s: float = 240.0) -> Stack:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+    def _env(self) -> dict[str, str]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         env.pop("PAGEDSERVE_API_KEY", None)
+        return env
+
+    def start_service(self, name: str, module: str, *extra: str) -> Service:
+        """One more service in the running stack (e.g. a second engine)."""
+        service = self._add(name, module, *extra)
+        service.start(self._env())
+        return service
+
+    def start(self, timeout_s: float = 240.0) -> Stack:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = self._env()
         self._add("engine", "engine_svc", "--service-id", "engine-0", *self.engine_args)
         for i in range(self.num_tokenizers):
             self._add(f"tokenizer-{i}", "tokenizer_svc", "--service-id", f"tokenizer-{i}")

@@ -107,3 +107,75 @@ def test_a_dead_engine_fails_its_requests_fast_and_leaves_no_state(redis_url, ti
         assert not any(held.values()) and pending == 0, (held, pending)
     finally:
         stack.stop()
+
+
+def test_requests_a_dead_engine_admitted_fail_fast_while_another_engine_serves(redis_url, tiny_llama_dir,
+                                                                               tmp_path):
+    """Two engines; the one that admitted three requests (one streaming, two still waiting for a
+    slot) is SIGKILLed. The gateway cannot fail them (an engine is alive): the detokenizer knows
+    them from the engine's admission announcements and fails them with a 503 within the heartbeat
+    age and a check, not the 600 s idle timeout; the other engine serves new requests."""
+    one_at_a_time = ["--kv-cache-memory", "64M", "--max-num-seqs", "1", "--max-num-batched-tokens", "1024"]
+    stack = Stack(redis_url, tiny_llama_dir, tmp_path / "logs", max_model_len=TINY_MAX_MODEL_LEN,
+                  engine_args=one_at_a_time)
+    stack.start()
+    try:
+        victim = stack.service("engine")
+        survivor = stack.start_service("engine-b", "engine_svc", "--service-id", "engine-1", *one_at_a_time)
+        deadline = time.monotonic() + 120
+        while "engine-1" not in stack.heartbeats():
+            assert time.monotonic() < deadline, stack.logs()
+            time.sleep(0.25)
+
+        def detok_holds() -> float:
+            beat = stack.heartbeats().get("detok-0")
+            return beat.stats.get("num_requests", 0) if beat is not None else 0
+
+        async def scenario():
+            async with openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="x", max_retries=0,
+                                          timeout=120) as client:
+                survivor.signal(signal.SIGSTOP)  # a few seconds: only the victim admits what comes now
+                await asyncio.sleep(1.5)  # the blocking read it may have left in Redis (≤ 0.5 s) expires
+                try:
+                    stream = await client.completions.create(model="tiny", prompt="Count:", max_tokens=900,
+                                                             stream=True, extra_body={"ignore_eos": True})
+                    await anext(aiter(stream))
+                    waiting = [asyncio.ensure_future(client.completions.create(
+                        model="tiny", prompt=f"Wait {i}", max_tokens=4)) for i in range(2)]
+                    deadline = time.monotonic() + 5
+                    while detok_holds() < 3:  # announced: admitted by the victim, no token yet
+                        assert time.monotonic() < deadline, stack.logs()
+                        await asyncio.sleep(0.05)
+                finally:
+                    survivor.signal(signal.SIGCONT)
+                victim.signal(signal.SIGKILL)
+                started = time.monotonic()
+                with pytest.raises(openai.APIError):
+                    async for _ in stream:
+                        pass
+                results = await asyncio.gather(*waiting, return_exceptions=True)
+                seconds = time.monotonic() - started
+                later = await client.completions.create(model="tiny", prompt="After", max_tokens=4,
+                                                        extra_body={"ignore_eos": True})
+                return results, seconds, later
+
+        results, seconds, later = asyncio.run(scenario())
+        assert all(isinstance(r, openai.APIStatusError) and r.status_code == 503 for r in results), results
+        assert all("engine serving this request stopped" in r.message for r in results), results  # the detok's
+        assert seconds < 30
+        assert later.usage.completion_tokens == 4  # the surviving engine serves
+        deadline = time.monotonic() + 15
+        while True:
+            beats = stack.heartbeats()
+            alive = beats["engine-1"].stats
+            problems = [k for k, b in beats.items() if b.service in ("detok", "gateway")
+                        and b.stats.get("num_requests", 0) + b.stats.get("num_routes", 0)]
+            if alive["num_free_blocks"] != alive["num_total_blocks"] or alive["num_routes"]:
+                problems.append(f"engine-1: {alive}")
+            problems += [k for k, v in stack.pending().items() if v]
+            if not problems or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
+        assert not problems, problems
+    finally:
+        stack.stop()

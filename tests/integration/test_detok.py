@@ -319,3 +319,21 @@ def test_requests_of_a_dead_engine_fail_with_503(hf_tokenizer):
     out = processor.fail_engines({"engine-0"})
     assert [(m.request_id, m.error.code, m.finish_reason) for _, m in out] == [("a", 503, FinishReason.ERROR)]
     assert set(processor.requests) == {"b"} and processor.take_ackable() == ["a-0"]  # b still holds b-0
+
+
+def test_an_announced_request_of_a_dead_engine_fails_before_its_first_token(hf_tokenizer):
+    processor = DetokProcessor(hf_tokenizer, StreamNames("x"))
+    announce = TokenDelta(request_id="a", seq=-1, engine_id="engine-0", reply_to=REPLY, detok=DetokParams())
+    assert processor.process("a-0", announce) == []  # no text yet, but the shard knows the request
+    assert set(processor.requests) == {"a"} and processor.take_ackable() == []
+    out = processor.fail_engines({"engine-0"})
+    assert [(m.request_id, m.error.code, m.finish_reason) for _, m in out] == [("a", 503, FinishReason.ERROR)]
+    assert processor.requests == {} and processor.take_ackable() == ["a-0"]
+
+
+def test_an_announcement_changes_no_output(hf_tokenizer):
+    text = "Hello world, 中文 and 🙂"
+    plain = _run(DetokProcessor(hf_tokenizer, StreamNames("x")), _deltas(hf_tokenizer, text))
+    announce = TokenDelta(request_id="r1", seq=-1, engine_id="engine-0", reply_to=REPLY, detok=DetokParams())
+    announced = _run(DetokProcessor(hf_tokenizer, StreamNames("x")), [announce, *_deltas(hf_tokenizer, text)])
+    assert announced[0] == plain[0] and "".join(o.text_delta for o in announced[0]) == text

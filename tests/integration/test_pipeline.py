@@ -17,7 +17,8 @@ from detok_svc.service import DetokService
 from engine_svc import EngineConfig, LLMEngine
 from engine_svc.service import EngineService
 from shared.config import BusConfig, DetokConfig, EngineServiceConfig, TokenizerConfig
-from shared.protocol import (Abort, ChatMessage, FinishReason, GenerateRequest, SamplingParams, StreamNames)
+from shared.protocol import (Abort, ChatMessage, DetokParams, EngineRequest, FinishReason, GenerateRequest, SamplingParams,
+                             StreamNames, detok_shard)
 from shared.heartbeat import read_heartbeats
 from shared.streams import Producer, StreamReader, connect
 from tokenizer_svc.prompts import PromptEncoder
@@ -254,3 +255,20 @@ def test_an_abort_that_overtakes_its_request_closes_it_unadmitted(pipeline):
     (outs,) = got["early"].values()
     assert [o.finish_reason for o in outs] == [FinishReason.ABORT] and outs[0].token_ids == ()
     pipeline.assert_idle()
+
+
+def test_admission_announces_the_request_and_its_engine(redis_url, prefix, tiny_llama_dir):
+    bus = BusConfig(redis_url=redis_url, prefix=prefix)
+    engine = LLMEngine(_engine_config(tiny_llama_dir))
+    service = EngineService(EngineServiceConfig(bus=bus, num_detok_shards=NUM_SHARDS, service_id="engine-7"),
+                            engine, client=connect(redis_url))
+    request = EngineRequest(request_id="ann", reply_to="g:out", prompt_token_ids=(1, 2, 3),
+                            sampling=SamplingParams(n=2, max_tokens=4), detok=DetokParams(stop=("x",)))
+    ((stream, delta),) = service.admit(request)
+    assert stream == StreamNames(prefix).detok_in(detok_shard("ann", NUM_SHARDS))
+    assert (delta.seq, delta.new_token_ids, delta.engine_id, delta.num_choices) == (-1, (), "engine-7", 2)
+    assert (delta.reply_to, delta.detok) == ("g:out", request.detok)
+    assert service.admit(request) == []  # a re-delivery announces nothing again
+    engine.abort_request(["ann"])
+    engine.step()
+    assert engine.stats()["num_requests"] == 0
