@@ -67,7 +67,8 @@ class EngineService:
         self.from_tokenizer = GroupReader(self.client, names.engine_in, GROUP_ENGINE, config.service_id,
                                           claim_idle_ms=config.claim_idle_ms, dlq=names.dlq,
                                           producer=self.to_detok, accept=(EngineRequest,))
-        self.from_ctl = StreamReader(self.client, names.engine_ctl)
+        lookback_ms = int((time.time() - config.ctl_lookback_s) * 1000)
+        self.from_ctl = StreamReader(self.client, names.engine_ctl, start=f"{max(lookback_ms, 0)}-0")
         self.heartbeat = HeartbeatWriter(self.client, names.heartbeat, "engine", config.service_id,
                                          config.heartbeat_s)
         self.routes: dict[str, _Route] = {}

@@ -102,6 +102,9 @@ class EngineServiceConfig:
     idle_block_ms: int = 500
     claim_idle_ms: int = 30_000
     heartbeat_s: float = 1.0
+    # a starting engine applies the aborts of this many seconds back: it may claim (after
+    # claim_idle_ms) requests a dead engine never admitted, whose clients left meanwhile
+    ctl_lookback_s: float = 120.0
 
 
 # --------------------------------------------------------------------------- flags

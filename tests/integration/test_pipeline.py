@@ -272,3 +272,22 @@ def test_admission_announces_the_request_and_its_engine(redis_url, prefix, tiny_
     engine.abort_request(["ann"])
     engine.step()
     assert engine.stats()["num_requests"] == 0
+
+
+def test_a_starting_engine_applies_recent_aborts(redis_url, prefix, tiny_llama_dir):
+    """An Abort sent before this engine started (its request never admitted anywhere: an engine
+    claiming a dead one's entries would otherwise run it for a client that left) is applied."""
+    bus = BusConfig(redis_url=redis_url, prefix=prefix)
+    names = StreamNames(prefix)
+    Producer(connect(redis_url)).send(names.engine_ctl, Abort(request_ids=("gone",)))
+    service = EngineService(EngineServiceConfig(bus=bus, service_id="engine-late"),
+                            LLMEngine(_engine_config(tiny_llama_dir)), client=connect(redis_url))
+    service.apply_aborts(service.from_ctl.read(count=1024))
+    assert "gone" in service.aborted
+    request = EngineRequest(request_id="gone", reply_to="g:out", prompt_token_ids=(1, 2, 3))
+    ((_, out),) = service.admit(request)
+    assert out.finish_reason == FinishReason.ABORT and service.engine.stats()["num_requests"] == 0
+    fresh = EngineService(EngineServiceConfig(bus=bus, service_id="engine-new", ctl_lookback_s=0.0),
+                          service.engine, client=connect(redis_url))
+    time.sleep(0.01)
+    assert fresh.from_ctl.read(count=1024) == []  # no lookback: only what comes after the start
