@@ -36,7 +36,6 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, *, skip_special_tokens: bool = True,
                  decode: Callable[[Sequence[int], bool], str] | None = None):
-        self.tokenizer = tokenizer
         self.decode = decode or text_decoder(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []

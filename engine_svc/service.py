@@ -128,7 +128,10 @@ class EngineService:
         route = self.routes[rid]
         delta = TokenDelta(request_id=rid, seq=-1, engine_id=self.config.service_id, num_choices=route.num_choices,
                            reply_to=route.reply_to, detok=route.detok)
-        return self.names.detok_in(detok_shard(rid, self.config.num_detok_shards)), delta
+        return self._detok_stream(rid), delta
+
+    def _detok_stream(self, rid: str) -> str:
+        return self.names.detok_in(detok_shard(rid, self.config.num_detok_shards))
 
     def _refuse(self, req: EngineRequest, error: ErrorInfo) -> list[tuple[str, Message]]:
         self.finished.add(req.request_id)
@@ -170,8 +173,7 @@ class EngineService:
             if len(route.finished) >= route.num_choices:
                 del self.routes[delta.request_id]
                 self.finished.add(delta.request_id)
-        stream = self.names.detok_in(detok_shard(delta.request_id, self.config.num_detok_shards))
-        return [(stream, msg)]
+        return [(self._detok_stream(delta.request_id), msg)]
 
     def _close(self, rid: str, reason: FinishReason, error: ErrorInfo | None = None) -> list[tuple[str, Message]]:
         """Final deltas for every choice of ``rid`` that has not finished yet."""
