@@ -15,7 +15,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from detok_svc.incremental import IncrementalDetokenizer, TokenStrings, text_decoder
+from detok_svc.incremental import TokenStrings, detokenizer_factory
 from detok_svc.stop import StopChecker
 from shared.protocol import (Abort, DetokParams, ErrorInfo, FinishReason, Message, RequestOutput, StreamNames, TextLogprobs,
                              TokenDelta, TokenLogprobs, Usage)
@@ -26,8 +26,8 @@ MAX_FINISHED_IDS = 100_000
 class _Choice:
     """One sequence (choice ``index``) of a request: its detokenizer, stop checker and what was sent."""
 
-    def __init__(self, tokenizer, params: DetokParams, decode):
-        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens, decode=decode)
+    def __init__(self, params: DetokParams, new_detokenizer):
+        self.detok = new_detokenizer(params.skip_special_tokens)
         self.stop = StopChecker(params.stop, params.include_stop_str_in_output)
         self.text = ""  # decoded output text, after any stop-string cut
         self.num_sent = 0  # characters of text already sent
@@ -50,11 +50,11 @@ class _Request:
     entry_ids: list[str] = field(default_factory=list)
     last_seen: float = field(default_factory=time.monotonic)
     engine_id: str = ""  # the engine its deltas come from
+    num_finished: int = 0  # choices with a finish_reason
 
     @property
     def is_finished(self) -> bool:
-        return len(self.choices) == self.num_choices and all(
-            c.finish_reason is not None for c in self.choices.values())
+        return self.num_finished == self.num_choices
 
 
 class DetokProcessor:
@@ -62,7 +62,7 @@ class DetokProcessor:
 
     def __init__(self, tokenizer, names: StreamNames):
         self.tokenizer = tokenizer
-        self.decode = text_decoder(tokenizer)
+        self.new_detokenizer = detokenizer_factory(tokenizer)
         self.strings = TokenStrings(tokenizer)
         self.names = names
         self.requests: dict[str, _Request] = {}
@@ -164,7 +164,7 @@ class DetokProcessor:
         if choice is None:
             if not 0 <= delta.index < request.num_choices:
                 return []
-            choice = request.choices[delta.index] = _Choice(self.tokenizer, request.params, self.decode)
+            choice = request.choices[delta.index] = _Choice(request.params, self.new_detokenizer)
         if delta.seq <= choice.last_seq or choice.finish_reason is not None:
             return []  # a duplicate, or tokens of a choice a stop string already ended
         choice.last_seq = delta.seq
@@ -172,8 +172,9 @@ class DetokProcessor:
         request.num_cached_tokens = max(request.num_cached_tokens, delta.num_cached_tokens)
         if delta.error is not None:  # the engine gave up on the whole request
             for index in range(request.num_choices):
-                request.choices.setdefault(index, _Choice(self.tokenizer, request.params, self.decode))
+                request.choices.setdefault(index, _Choice(request.params, self.new_detokenizer))
                 request.choices[index].finish_reason = FinishReason.ERROR
+            request.num_finished = request.num_choices
             return [(request.reply_to, RequestOutput(request_id=delta.request_id, seq=delta.seq, index=delta.index,
                                                      finish_reason=FinishReason.ERROR, error=delta.error,
                                                      num_choices=request.num_choices))]
@@ -202,7 +203,9 @@ class DetokProcessor:
         if not text_delta and finish_reason is None:
             return []  # held back: its tokens leave with the next text
         choice.num_sent = max(choice.num_sent, end)
-        choice.finish_reason = finish_reason
+        if finish_reason is not None:
+            choice.finish_reason = finish_reason
+            request.num_finished += 1
         output = RequestOutput(
             request_id=delta.request_id, seq=delta.seq, index=delta.index, text_delta=text_delta,
             token_ids=tuple(choice.held_ids), logprobs=tuple(choice.held_logprobs) if request.params.logprobs else None,
