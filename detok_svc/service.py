@@ -71,7 +71,7 @@ class DetokService:
             self.heartbeat.remove()
 
     def run_once(self, block_ms: int | None) -> int:
-        envelopes = self.from_engine.read(count=self.config.batch_size, block_ms=block_ms)
+        envelopes = self.from_engine.read(count=self.config.entries_per_read, block_ms=block_ms)
         outgoing = []
         for env in envelopes:
             try:

@@ -62,8 +62,9 @@ class EngineService:
         self.engine = engine
         self.client = client or connect(config.bus.redis_url)
         self.names = names = config.bus.names
-        # one entry per detok shard and step: a shard has one reader (and gateways read their own)
-        self.to_detok = Producer(self.client, config.bus.maxlen, batch=True)  # and errors to gateways
+        # a step's deltas for a shard share entries: a shard has one reader (and gateways read their own)
+        self.to_detok = Producer(self.client, config.bus.maxlen, batch=True,  # and errors to gateways
+                                 per_entry=config.deltas_per_entry)
         self.from_tokenizer = GroupReader(self.client, names.engine_in, GROUP_ENGINE, config.service_id,
                                           claim_idle_ms=config.claim_idle_ms, dlq=names.dlq,
                                           producer=self.to_detok, accept=(EngineRequest,))

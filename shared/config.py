@@ -83,7 +83,8 @@ class DetokConfig:
     shard: int = 0
     num_shards: int = 1
     service_id: str = ""
-    batch_size: int = 256
+    # one: each of the engine's entries (16 deltas) is published before the next is decoded
+    entries_per_read: int = 1
     block_ms: int = 500
     heartbeat_s: float = 1.0
     request_idle_timeout_s: float = 900.0  # no delta for this long: its engine is gone, fail it
@@ -102,6 +103,7 @@ class EngineServiceConfig:
     idle_block_ms: int = 500
     claim_idle_ms: int = 30_000
     heartbeat_s: float = 1.0
+    deltas_per_entry: int = 16  # a step's deltas for one shard leave in entries of this many (entries.py)
     # a starting engine applies the aborts of this many seconds back: it may claim (after
     # claim_idle_ms) requests a dead engine never admitted, whose clients left meanwhile
     ctl_lookback_s: float = 120.0

@@ -6,7 +6,10 @@ engine's 64 deltas of a step then cost the detokenizer one entry to read, not 64
 redis-py and the syscalls all work per entry, and per entry was most of the bus's cost per
 token. A message is still one request's (no struct-of-arrays); only the transport is batched.
 Streams read by competing consumers (tokenizer and engine groups) get one message per entry,
-so that replicas share the work request by request.
+so that replicas share the work request by request. A producer may cap the messages per entry
+lower (``per_entry``): the engine writes a step's deltas in entries of 16, which the detokenizer
+reads one at a time and publishes as it goes, so the step's first texts leave before its last
+deltas are decoded.
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ def field_name(i: int) -> bytes:
     return FIELD if i == 0 else b"m%d" % i
 
 
-def pack(items: Iterable[tuple[str, Message]], batch: bool) -> list[tuple[str, dict[bytes, bytes]]]:
+def pack(items: Iterable[tuple[str, Message]], batch: bool,
+         per_entry: int = MAX_PER_ENTRY) -> list[tuple[str, dict[bytes, bytes]]]:
     """(stream, message) pairs -> (stream, entry fields): batched, one entry per stream and
-    MAX_PER_ENTRY messages, else one per message; each stream keeps its messages' order."""
+    ``per_entry`` messages, else one per message; each stream keeps its messages' order."""
+    if not 1 <= per_entry <= MAX_PER_ENTRY:
+        raise ValueError(f"per_entry must be in 1..{MAX_PER_ENTRY}, got {per_entry}")
     if not batch:
         return [(stream, {FIELD: msg.to_wire()}) for stream, msg in items]
     by_stream: dict[str, list[bytes]] = {}
@@ -33,8 +39,8 @@ def pack(items: Iterable[tuple[str, Message]], batch: bool) -> list[tuple[str, d
         by_stream.setdefault(stream, []).append(msg.to_wire())
     entries = []
     for stream, wires in by_stream.items():
-        for start in range(0, len(wires), MAX_PER_ENTRY):
-            chunk = wires[start:start + MAX_PER_ENTRY]
+        for start in range(0, len(wires), per_entry):
+            chunk = wires[start:start + per_entry]
             entries.append((stream, {field_name(i): wire for i, wire in enumerate(chunk)}))
     return entries
 

@@ -87,19 +87,22 @@ def async_connect(redis_url: str, **kwargs) -> aioredis.Redis:
 
 class Producer:
     """Writes messages to streams, every XADD trimmed and a send's XADDs pipelined. ``batch``:
-    a send's messages for one stream share one entry (for streams without competing readers)."""
+    a send's messages for one stream share entries of up to ``per_entry`` (for streams without
+    competing readers)."""
 
-    def __init__(self, client: redis.Redis, maxlen: int = DEFAULT_MAXLEN, *, batch: bool = False):
+    def __init__(self, client: redis.Redis, maxlen: int = DEFAULT_MAXLEN, *, batch: bool = False,
+                 per_entry: int = entries.MAX_PER_ENTRY):
         self.client = client
         self.maxlen = maxlen
         self.batch = batch
+        self.per_entry = per_entry
 
     def send(self, stream: str, msg: Message) -> str:
         return _id(self.client.xadd(stream, {FIELD: msg.to_wire()}, maxlen=self.maxlen, approximate=True))
 
     def send_many(self, items: Iterable[tuple[str, Message]]) -> list[str]:
-        """The ids of the entries written (batched: one per stream, not per message)."""
-        packed = entries.pack(items, self.batch)
+        """The ids of the entries written (batched: one per stream and per_entry messages)."""
+        packed = entries.pack(items, self.batch, self.per_entry)
         if not packed:
             return []
         if len(packed) == 1:
