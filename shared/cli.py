@@ -22,6 +22,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from shared.config import add_engine_args, engine_argv
+from shared.placement import MODES, bus_cpus, pin
 from shared.redis_server import RedisServer, _die_with_parent
 
 SERVICES = {"gateway": "gateway", "tokenizer": "tokenizer_svc", "engine": "engine_svc", "detok": "detok_svc"}
@@ -37,6 +38,7 @@ class Child:
     proc: subprocess.Popen | None = None
     nice: int = 0  # added to the niceness before the child starts (every thread it makes inherits it)
     sched_idle: bool = False  # SCHED_IDLE: a task of this session that wakes up takes the CPU from it at once
+    cpus: set[int] | None = None  # pinned to these CPUs (shared/placement.py); None: any
 
     def start(self, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", *self.argv], env=env, process_group=0,
@@ -44,6 +46,7 @@ class Child:
 
     def _prepare(self) -> None:  # in the child, after setpgid, before exec
         _die_with_parent()
+        pin(0, self.cpus)
         if self.nice:
             os.nice(self.nice)
         if self.sched_idle:
@@ -82,6 +85,10 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="idle (default): SCHED_IDLE, so that the bus services, which need ~1%% of the engine's "
                         "CPU, get a core the moment a step's tokens wake them; normal: when other CPU-bound work "
                         "shares this session and must not starve the engine")
+    p.add_argument("--bus-cpus", choices=MODES, default="spread",
+                   help="spread (default): each gateway and detok shard on a CPU of its own, Redis and the "
+                        "tokenizers with the detok shards, the engine on every CPU (shared/placement.py); "
+                        "none: the kernel places them")
     p.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for /health")
     add_engine_args(p)
     return p
@@ -105,14 +112,15 @@ def build_children(args: argparse.Namespace, redis_url: str, model: str) -> list
         gateway += ["--served-model-name", args.served_model_name]
     if args.gateways > 1:
         gateway.append("--reuse-port")
-    children = [Child(f"gateway-{i}" if args.gateways > 1 else "gateway", ["gateway", *common, *shards, *gateway])
-                for i in range(args.gateways)]
-    children += [Child(f"tokenizer-{i}", ["tokenizer_svc", *common, "--service-id", f"tokenizer-{i}"])
-                 for i in range(args.tokenizers)]
+    cpus = bus_cpus(args.bus_cpus, args.gateways, args.detokenizers)
+    children = [Child(f"gateway-{i}" if args.gateways > 1 else "gateway", ["gateway", *common, *shards, *gateway],
+                      cpus=cpus.get(f"gateway-{i}")) for i in range(args.gateways)]
+    children += [Child(f"tokenizer-{i}", ["tokenizer_svc", *common, "--service-id", f"tokenizer-{i}"],
+                       cpus=cpus.get("tokenizer")) for i in range(args.tokenizers)]
     children.append(Child("engine", ["engine_svc", *common, *shards, "--service-id", "engine-0", *engine_argv(args)],
                           nice=args.engine_nice, sched_idle=args.engine_sched == "idle"))
-    children += [Child(f"detok-{k}", ["detok_svc", *common, *shards, "--shard", str(k), "--service-id", f"detok-{k}"])
-                 for k in range(args.detokenizers)]
+    children += [Child(f"detok-{k}", ["detok_svc", *common, *shards, "--shard", str(k), "--service-id", f"detok-{k}"],
+                       cpus=cpus.get(f"detok-{k}")) for k in range(args.detokenizers)]
     return children
 
 
@@ -177,7 +185,7 @@ def serve(argv: list[str]) -> int:
     model = _resolve_model(args.model)
     redis_server = None
     if args.redis_url is None:
-        redis_server = RedisServer().start()
+        redis_server = RedisServer(cpus=bus_cpus(args.bus_cpus, args.gateways, args.detokenizers).get("redis")).start()
     redis_url = args.redis_url or redis_server.url
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if args.api_key:

@@ -56,12 +56,13 @@ class RedisServer:
     """Owns one redis-server child process: started on a free port, stopped on exit, never orphaned."""
 
     def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, binary: str | None = None,
-                 data_dir: str | None = None, startup_timeout: float = 10.0):
+                 data_dir: str | None = None, startup_timeout: float = 10.0, cpus: set[int] | None = None):
         self.host = host
         self.port = port
         self.binary = binary
         self.data_dir = data_dir  # None: no persistence at all
         self.startup_timeout = startup_timeout
+        self.cpus = cpus  # pinned to these CPUs (shared/placement.py); None: any
         self.process: subprocess.Popen | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None
 
@@ -93,12 +94,17 @@ class RedisServer:
             self.process = subprocess.Popen(self._args(binary, workdir), stdin=subprocess.DEVNULL,
                                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                             process_group=0,  # Ctrl-C is for our owner; the session (autogroup) stays ours
-                                            preexec_fn=_die_with_parent)
+                                            preexec_fn=self._prepare)
             if self._wait_ready():
                 log.info("redis-server %s listening on %s", binary, self.url)
                 return self
             self._kill()
         raise RuntimeError(f"redis-server ({binary}) did not answer PING")
+
+    def _prepare(self) -> None:  # in the child, before exec
+        _die_with_parent()
+        if self.cpus:
+            os.sched_setaffinity(0, self.cpus)
 
     def _wait_ready(self) -> bool:
         deadline = time.monotonic() + self.startup_timeout
