@@ -10,12 +10,15 @@ Part 1, at --concurrency (64): output tokens/s of the stack over the in-process 
 Redis hops + detokenizer + gateway; target median < 2 ms), read from the stream entry ids.
 Part 2, at each of --levels (1, 8, 32): output tokens/s, TTFT and ITL p50/p99 of pagedserve's
 stack and of `transformers serve`, same text prompts, greedy, each request running to its length.
-Everything listens on 127.0.0.1; request counts and time are bounded.
+Everything listens on 127.0.0.1; request counts and time are bounded. The measuring client
+stays off the gateways' CPUs (`--client-cpus apart`, as a remote client would): left to the
+scheduler it is pulled next to the gateway by every chunk's wake-up and takes turns with it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -60,6 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="`pagedserve serve --engine-sched`")
     p.add_argument("--gateways", type=int, default=1, help="`pagedserve serve --gateways`")
     p.add_argument("--detokenizers", type=int, default=1, help="`pagedserve serve --detokenizers`")
+    p.add_argument("--bus-cpus", choices=("spread", "none"), default="spread",
+                   help="`pagedserve serve --bus-cpus` (the Redis this script starts is placed the same way)")
+    p.add_argument("--client-cpus", choices=("apart", "any"), default="apart",
+                   help="apart: the client runs on the CPUs no gateway is pinned to (both servers); any: anywhere")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
@@ -123,6 +130,23 @@ def stack_part1(server_url: str, model: str, specs: list[Spec], args, tap: Strea
     time.sleep(0.5)  # let the tap read the last entries
     tap.stop()
     return results, seconds, hop_latencies(tap, results), cpu
+
+
+@contextlib.contextmanager
+def client_placement(args):
+    """While measuring: this thread (the client's event loop) on the CPUs no gateway is pinned to."""
+    from shared.placement import bus_cpus
+
+    before = os.sched_getaffinity(0)
+    gateways = set().union(*(c for k, c in bus_cpus(args.bus_cpus, args.gateways, args.detokenizers).items()
+                             if k.startswith("gateway")))
+    apart = before - gateways
+    if args.client_cpus == "apart" and apart:
+        os.sched_setaffinity(0, apart)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def _self_cpu() -> float:
@@ -250,13 +274,14 @@ def report(part1: list[Summary], hops, cpu: dict[str, float], part2: list[Summar
 # ---------------------------------------------------------------------------- main
 def run_stack(args, model_dir: Path, cfg: dict, id_specs: list[Spec], text_specs: list[Spec], levels: list[int]):
     """`pagedserve serve` against a redis-server of our own: part 1 (with the stream tap), then part 2."""
+    from shared.placement import bus_cpus
     from shared.redis_server import RedisServer, free_port
 
-    with RedisServer() as redis_server:
+    with RedisServer(cpus=bus_cpus(args.bus_cpus, args.gateways, args.detokenizers).get("redis")) as redis_server:
         port = args.port or free_port()
         flags = [*engine_flags(cfg), "--engine-nice", str(args.engine_nice), "--engine-sched", args.engine_sched,
                  "--gateways", str(args.gateways),
-                 "--detokenizers", str(args.detokenizers)]
+                 "--detokenizers", str(args.detokenizers), "--bus-cpus", args.bus_cpus]
         server = pagedserve_server(model_dir, port, redis_server.url, flags, OUT_DIR / "serve-pagedserve.log")
         print(f"   stack: {server.command}", flush=True)
         url = f"http://127.0.0.1:{port}"
@@ -265,10 +290,11 @@ def run_stack(args, model_dir: Path, cfg: dict, id_specs: list[Spec], text_specs
             model_name = _served_model(url)
             run_closed_loop(url, model_name, [Spec(id_specs[0].prompt[:8], 2)], 1)  # warm-up
             tap = StreamTap(redis_server.url, num_detok_shards=args.detokenizers, live=args.tap_split).start()
-            res, secs, hops, cpu = stack_part1(url, model_name, id_specs, args, tap,
-                                               [server.proc.pid, redis_server.process.pid])
-            part2 = run_levels("pagedserve", url, model_name, text_specs, levels, args,
-                               {"ignore_eos": True, "stream_options": {"include_usage": True}})
+            with client_placement(args):
+                res, secs, hops, cpu = stack_part1(url, model_name, id_specs, args, tap,
+                                                   [server.proc.pid, redis_server.process.pid])
+                part2 = run_levels("pagedserve", url, model_name, text_specs, levels, args,
+                                   {"ignore_eos": True, "stream_options": {"include_usage": True}})
     return summarize("pagedserve stack", args.concurrency, res, secs), hops, cpu, part2
 
 
@@ -283,7 +309,8 @@ def run_transformers(args, model_dir: Path, num_blocks: int, text_specs: list[Sp
     with server:
         server.start(timeout_s=900)
         run_closed_loop(url, str(model_dir), [Spec("Hello", 2)], 1, extra=transformers_extra())  # warm-up
-        return run_levels("transformers serve", url, str(model_dir), text_specs, levels, args, transformers_extra())
+        with client_placement(args):  # the same CPUs as for pagedserve
+            return run_levels("transformers serve", url, str(model_dir), text_specs, levels, args, transformers_extra())
 
 
 def main(argv=None) -> int:
