@@ -387,7 +387,8 @@ def decode(data: bytes) -> Message:
         raise ProtocolError(f"undecodable message: {exc}") from None
     if not isinstance(body, dict):
         raise ProtocolError("message is not a map")
-    cls = MESSAGE_TYPES.get(body.get("t"))  # type: ignore[arg-type]
+    tag = body.pop("t", None)
+    cls = MESSAGE_TYPES.get(tag) if type(tag) is int else None  # not True (== 1), nor a map (unhashable)
     if cls is None:
-        raise ProtocolError(f"unknown message type {body.get('t')!r}")
-    return from_plain(cls, {k: v for k, v in body.items() if k != "t"}, cls.__name__)
+        raise ProtocolError(f"unknown message type {tag!r}")
+    return from_plain(cls, body, cls.__name__)

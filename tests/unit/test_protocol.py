@@ -63,6 +63,8 @@ def _wire(tag: int, **fields) -> bytes:
      "GenerateRequest.sampling.logit_bias key: expected an integer"),
     (_wire(6, service="s", service_id="i", time=1, stats=[]), "Heartbeat.stats: expected a map"),
     (_wire(99, x=1), "unknown message type 99"),
+    (msgpack.packb({"t": True, "request_id": "r", "reply_to": "x"}), "unknown message type True"),  # True == 1
+    (msgpack.packb({"t": {"a": 1}}), "unknown message type"),  # unhashable: no TypeError escapes
     (msgpack.packb([1, 2]), "not a map"),
     (b"\xc1", "undecodable"),
     ("text", "not bytes"),
