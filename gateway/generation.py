@@ -141,7 +141,7 @@ class Generation:
         in order because nothing is queued and ``events()`` is parked. False: queue it instead."""
         writer = self.direct_writer
         if writer is None or not self.is_parked or not self.queue.empty() or out.error is not None \
-                or out.usage is not None or out.prompt_text is not None:
+                or out.usage is not None or out.prompt_text is not None or out.prompt_token_ids is not None:
             return False
         position = self.positions.get(out.request_id)
         if position is None or not 0 <= out.index < self.n:
@@ -149,7 +149,7 @@ class Generation:
         choice = self.choices[position * self.n + out.index]
         if not writer.accepts(choice, out):
             return False
-        if self._apply(out) is not None:
+        if self._add(choice, out):  # what _apply does for an output with no prompt note and no usage
             writer.write(choice, out)
             self._waiting_since = self._last_output_time  # the idle watchdog counts from here
         return True
@@ -165,15 +165,19 @@ class Generation:
         if _is_prompt_only(out) or not 0 <= out.index < self.n:
             return None
         choice = self.choices[position * self.n + out.index]
+        return choice if self._add(choice, out) else None
+
+    def _add(self, choice: Choice, out: RequestOutput) -> bool:
+        """Apply ``out`` to its choice and note the time; False for a duplicate or a late one."""
         if not choice.add(out):
-            return None
+            return False
         now = time.monotonic()
         if self.first_output_time is None:
             self.first_output_time = now
         elif len(self.output_gaps) < MAX_GAPS:
             self.output_gaps.append(now - self._last_output_time)
         self._last_output_time = now
-        return choice
+        return True
 
     def _set_echo(self, position: int, text: str) -> None:
         for choice in self.choices[position * self.n:(position + 1) * self.n]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from json.encoder import encode_basestring  # json.dumps(str, ensure_ascii=False), minus its dispatch
 
 from pydantic import BaseModel
 
@@ -94,8 +95,7 @@ class Renderer:
             middle, tail = rest.split(json.dumps(_TEXT, ensure_ascii=False).encode())
             self._text_template = (head, middle, tail)
         head, middle, tail = self._text_template
-        text = json.dumps(out.text_delta, ensure_ascii=False).encode()
-        return b"".join((head, str(choice.index).encode(), middle, text, tail))
+        return b"".join((head, b"%d" % choice.index, middle, encode_basestring(out.text_delta).encode(), tail))
 
     def _plain_text_chunk(self, index: int, text: str) -> BaseModel:
         raise NotImplementedError
