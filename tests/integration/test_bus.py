@@ -48,6 +48,24 @@ def test_a_batched_send_is_one_entry_per_stream_read_back_message_by_message(red
     assert redis_client.xpending(b, "detok")["pending"] == 0
 
 
+def test_per_entry_caps_messages_per_entry_and_a_read_of_one_entry_gets_its_messages(redis_client, stream_names):
+    """The engine's entries of 16: a step of 40 deltas is 16 + 16 + 8, read one entry at a time in order."""
+    stream = stream_names.detok_in(0)
+    producer = Producer(redis_client, batch=True, per_entry=16)
+    msgs = _requests(40)
+    ids = producer.send_many([(stream, m) for m in msgs])
+    assert len(ids) == 3 and redis_client.xlen(stream) == 3
+    group = GroupReader(redis_client, stream, "detok", "c")
+    sizes, names = [], []
+    while got := group.read(count=1):
+        sizes.append(len(got))
+        names += [e.msg.request_id for e in got]
+        group.ack(got)
+    assert sizes == [16, 16, 8] and names == [m.request_id for m in msgs]
+    with pytest.raises(ValueError):
+        Producer(redis_client, batch=True, per_entry=0).send_many([(stream, msgs[0])])
+
+
 def test_a_bad_message_in_a_batched_entry_is_dead_lettered_alone(redis_client, stream_names):
     stream, dlq = stream_names.detok_in(0), stream_names.dlq
     good = _requests(2)
