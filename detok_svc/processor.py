@@ -1,7 +1,7 @@
 """Per-request detokenization state: TokenDelta in, RequestOutput (and Abort on a stop string) out.
 
 Pure logic over a tokenizer; ``service.py`` feeds it stream entries. An entry carries the
-deltas of many requests (one engine step's), so each entry counts the unfinished requests it
+deltas of many requests (up to 16 of one engine step's), so each entry counts the unfinished requests it
 holds deltas of, and the service acks it only when that count is zero (``take_ackable``): a
 restarted shard replays what is pending and rebuilds the same outputs with the same ``seq``
 (the gateway drops what it already has). A request that finished before the crash but shared

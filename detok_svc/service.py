@@ -41,7 +41,7 @@ class DetokService:
         self.config = config
         self.client = client or connect(config.bus.redis_url)
         names = config.bus.names
-        # one entry per gateway and read: each reply stream (and engine ctl) has no competing readers
+        # one entry per gateway and engine entry: each reply stream (and engine ctl) has no competing readers
         self.to_gateway = Producer(self.client, config.bus.maxlen, batch=True)  # and Aborts to the engines
         self.from_engine = GroupReader(self.client, names.detok_in(config.shard), GROUP_DETOK,
                                        f"shard-{config.shard}", claim_idle_ms=None, dlq=names.dlq,

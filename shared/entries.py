@@ -2,7 +2,7 @@
 
 A batched send puts all its messages for one stream into one entry (up to MAX_PER_ENTRY), in
 fields ``m``, ``m1``, ``m2``, ... in order, each field one message's MessagePack bytes. The
-engine's 64 deltas of a step then cost the detokenizer one entry to read, not 64: Redis,
+engine's 64 deltas of a step then cost the detokenizer a few entries to read, not 64: Redis,
 redis-py and the syscalls all work per entry, and per entry was most of the bus's cost per
 token. A message is still one request's (no struct-of-arrays); only the transport is batched.
 Streams read by competing consumers (tokenizer and engine groups) get one message per entry,
