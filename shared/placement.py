@@ -35,6 +35,11 @@ def bus_cpus(mode: str, num_gateways: int, num_detoks: int,
 
 
 def pin(pid: int, cpus: set[int] | None) -> None:
-    """Restrict ``pid`` (0: this process; threads started later inherit it) to ``cpus``."""
+    """Restrict ``pid`` (0: this process; threads started later inherit it) to ``cpus``. A
+    placement is an optimization: where the kernel refuses it (a CPU taken away since), the
+    process runs unpinned rather than not at all."""
     if cpus:
-        os.sched_setaffinity(pid, cpus)
+        try:
+            os.sched_setaffinity(pid, cpus)
+        except OSError:
+            pass

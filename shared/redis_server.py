@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from shared.placement import pin
+
 log = logging.getLogger(__name__)
 
 
@@ -103,8 +105,7 @@ class RedisServer:
 
     def _prepare(self) -> None:  # in the child, before exec
         _die_with_parent()
-        if self.cpus:
-            os.sched_setaffinity(0, self.cpus)
+        pin(0, self.cpus)
 
     def _wait_ready(self) -> bool:
         deadline = time.monotonic() + self.startup_timeout

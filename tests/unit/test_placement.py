@@ -63,3 +63,11 @@ def test_child_process_starts_pinned():
     finally:
         child.signal(signal.SIGKILL)
         child.proc.wait()
+
+
+def test_a_refused_placement_leaves_the_process_unpinned():
+    from shared.placement import pin
+
+    before = os.sched_getaffinity(0)
+    pin(0, {10_000})  # no such CPU: the kernel refuses, nothing raises
+    assert os.sched_getaffinity(0) == before
