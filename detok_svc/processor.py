@@ -61,7 +61,6 @@ class DetokProcessor:
     """Owns the state of every request in flight on one shard, dropped as soon as it finishes."""
 
     def __init__(self, tokenizer, names: StreamNames):
-        self.tokenizer = tokenizer
         self.new_detokenizer = detokenizer_factory(tokenizer)
         self.strings = TokenStrings(tokenizer)
         self.names = names

@@ -62,6 +62,7 @@ def test_per_entry_caps_messages_per_entry_and_a_read_of_one_entry_gets_its_mess
         names += [e.msg.request_id for e in got]
         group.ack(got)
     assert sizes == [16, 16, 8] and names == [m.request_id for m in msgs]
+    assert redis_client.xpending(stream, "detok")["pending"] == 0
     with pytest.raises(ValueError):
         Producer(redis_client, batch=True, per_entry=0).send_many([(stream, msgs[0])])
 
