@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast bench gpu clean
+.PHONY: setup serve test test-fast bench bench-vllm gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,9 @@ bench: setup
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python bench/throughput.py
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python bench/prefix.py
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python bench/serve.py --num-requests 64 --max-output 128 --requests-per-level 1
+
+bench-vllm: setup
+	$(BIN)/python bench/vllm_peer.py
 
 gpu:
 	$(BIN)/python -m pip install -q -e '.[gpu]'

@@ -12,7 +12,7 @@ class EngineConfig:
     model: str | None = None  # HF folder; None means the default model (shared.models)
     tokenizer: str | None = None  # defaults to `model`
     served_model_name: str | None = None
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA)
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA and native-bf16 CPUs)
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     # KV cache
@@ -29,6 +29,7 @@ class EngineConfig:
     max_num_queued_reqs: int = 4096
     max_logprobs: int = 20
     attention_backend: str = "auto"  # auto | torch | cupy
+    enforce_eager: bool = False  # True: no torch.compile of the forward (engine_svc.compiled)
     engine_id: str = "engine-0"
 
 

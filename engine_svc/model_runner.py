@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from engine_svc import cpu_info
 from engine_svc.attention import AttentionBackend, AttentionMetadata, get_backend
+from engine_svc.attention.step import PagedAttention
+from engine_svc.compiled import WARM_UP_TOKENS, CompiledForward
 from engine_svc.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine_svc.models import load_model, load_spec
 from engine_svc.scheduler_output import ScheduledChunk, SchedulerOutput
@@ -71,10 +75,15 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(spec.num_layers)
         ]
+        self.attention = PagedAttention(self.backend, self.kv_caches, spec.head_dim**-0.5)
+        self.model.bind_attention(self.attention.binding_id)
+        # CPU only for now: the compiled forward has never run on a GPU here (no device was lent)
+        self.compiled = CompiledForward(self.model) if self.device.type == "cpu" and not config.enforce_eager else None
         logger.info("model %s (%s) on %s/%s, backend %s, KV pool %d blocks x %d tokens (%.1f MiB)",
                     spec.architecture, self.model_dir, self.device, str(self.dtype).removeprefix("torch."),
                     self.backend.name, self.num_blocks, self.block_size,
                     self.num_blocks * self.kv_bytes_per_block / 2**20)
+        self.warm_up()
 
     # ------------------------------------------------------------------ sizing
     def _max_model_len(self) -> int:
@@ -122,9 +131,27 @@ class ModelRunner:
         if not plan.chunks:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         inputs = self.prepare(plan.chunks)
+        self.attention.meta = inputs.meta
+        forward = self.compiled or self.model
         with torch.inference_mode():
-            hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend)
+            hidden = forward(inputs.input_ids, inputs.positions)
             return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+
+    def warm_up(self) -> None:
+        """Run every graph shape once before the first request (compiles the forward and builds the
+        CPU attention kernels): steps of WARM_UP_TOKENS tokens written into the null block 0."""
+        start = time.monotonic()
+        for num_tokens in WARM_UP_TOKENS:
+            blocks = [0] * -(-num_tokens // self.block_size)
+            self.execute(SchedulerOutput(chunks=[ScheduledChunk("warm-up", [0] * num_tokens, 0, blocks, True)]))
+        if self.compiled is not None:
+            logger.info("forward compiled (%d graphs) and warmed up in %.1f s", self.compiled.num_compiles,
+                        time.monotonic() - start)
+
+    @property
+    def num_compiles(self) -> int:
+        """Graphs compiled so far (0 when eager): constant after warm_up, whatever the workload."""
+        return 0 if self.compiled is None else self.compiled.num_compiles
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
         """Flatten the chunks into the step's tensors (numpy, no loop over tokens)."""
@@ -175,9 +202,15 @@ def pick_device(name: str) -> torch.device:
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto = float32 on CPU, bfloat16 on CUDA."""
+    """auto = bfloat16 on CUDA and on a CPU with native bfloat16 (AVX512-BF16 or AMX), else float32
+    (as vLLM does for a float32 checkpoint)."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        native = device.type == "cuda" or cpu_info.has_native_bf16()
+        dtype = torch.bfloat16 if native else torch.float32
+        if device.type == "cpu":
+            logger.info("dtype auto: %s (%s)", str(dtype).removeprefix("torch."),
+                        "the CPU has native bfloat16" if native else "no native bfloat16 on this CPU")
+        return dtype
     if name not in DTYPES:
         raise ValueError(f"dtype must be auto, {', '.join(DTYPES)}; got {name!r}")
     return DTYPES[name]

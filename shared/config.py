@@ -154,7 +154,8 @@ ENGINE_FLAGS: list[tuple[str, str, object, object, str]] = [
     ("--attention-backend", "attention_backend", str, None, "auto | torch | cupy"),
 ]
 ENGINE_SWITCHES = [("--enable-prefix-caching", "enable_prefix_caching"),
-                   ("--enable-chunked-prefill", "enable_chunked_prefill")]
+                   ("--enable-chunked-prefill", "enable_chunked_prefill"),
+                   ("--enforce-eager", "enforce_eager")]
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

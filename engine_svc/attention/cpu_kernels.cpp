@@ -25,6 +25,11 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define PAGEDSERVE_BF16_DOT 1
+#endif
+
 namespace {
 
 constexpr int kLanes = 16;  // two AVX2 registers of accumulators hide the FMA latency
@@ -152,6 +157,79 @@ void decode_item(const T* query, const T* k_cache, const T* v_cache, const int32
     for (int64_t d = 0; d < dim; ++d) dst[h * dim + d] = static_cast<T>(acc[h * dim + d] * inv_sum[h]);
 }
 
+#ifdef PAGEDSERVE_BF16_DOT
+// bfloat16 pool on a CPU with AVX512-BF16: K and V are read straight from the pool, never converted
+// into a float block. A score is one VDPBF16PS per 32 dims (bf16 pairs multiplied exactly and summed
+// in float32), then one horizontal add; V rows widen to float32 (a shift) into register accumulators.
+inline float dot_bf16(const c10::BFloat16* a, const c10::BFloat16* b, int64_t dim) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 32)
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a + d), (__m512bh)_mm512_loadu_si512(b + d));
+  return _mm512_reduce_add_ps(acc);
+}
+
+inline __m512 widen(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+template <int kDim>
+void accumulate_bf16(const float* w, const c10::BFloat16* rows, int64_t stride, int64_t n, float* acc, int64_t dim) {
+  if constexpr (kDim > 0) {
+    __m512 a[kDim / 16];
+    for (int c = 0; c < kDim / 16; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
+    for (int64_t i = 0; i < n; ++i) {
+      const __m512 wi = _mm512_set1_ps(w[i]);
+      for (int c = 0; c < kDim / 16; ++c) a[c] = _mm512_fmadd_ps(wi, widen(rows + i * stride + 16 * c), a[c]);
+    }
+    for (int c = 0; c < kDim / 16; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+  } else {
+    for (int64_t c = 0; c < dim; c += 16) {
+      __m512 a = _mm512_loadu_ps(acc + c);
+      for (int64_t i = 0; i < n; ++i) a = _mm512_fmadd_ps(_mm512_set1_ps(w[i]), widen(rows + i * stride + c), a);
+      _mm512_storeu_ps(acc + c, a);
+    }
+  }
+}
+
+// The same three passes as decode_item, on the pool's bfloat16 rows in place (dim % 32 == 0).
+template <int kDim>
+void decode_item_bf16(const c10::BFloat16* query, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+                      const int32_t* block_table, int64_t ctx, const Shape& s, float scale, int64_t seq,
+                      int64_t kv_begin, int64_t kv_end, Scratch& buf, c10::BFloat16* out) {
+  const int64_t group = s.num_heads / s.num_kv_heads, dim = kDim ? kDim : s.head_dim;
+  const int64_t heads = (kv_end - kv_begin) * group, row_stride = s.num_kv_heads * dim;
+  float *acc = buf.acc.data(), *scores = buf.scores.data(), *inv_sum = buf.inv_sum.data();
+  const c10::BFloat16* q = query + (seq * s.num_heads + kv_begin * group) * dim;
+  auto for_each_block = [&](const c10::BFloat16* cache, auto&& visit) {
+    for (int64_t start = 0, b = 0; start < ctx; start += s.block_size, ++b) {
+      TORCH_CHECK(block_table[b] >= 0 && block_table[b] < s.num_blocks, "paged_decode: block id out of range");
+      visit(start, std::min(s.block_size, ctx - start), cache + (block_table[b] * s.block_size * s.num_kv_heads + kv_begin) * dim);
+    }
+  };
+  for_each_block(k_cache, [&](int64_t start, int64_t n, const c10::BFloat16* rows) {
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < n; ++i)
+        scores[h * ctx + start + i] = scale * dot_bf16(q + h * dim, rows + i * row_stride + h / group * dim, dim);
+  });
+  for (int64_t h = 0; h < heads; ++h) {
+    float* sc = scores + h * ctx;
+    const float max = *std::max_element(sc, sc + ctx);
+    float sum = 0.f;
+    for (int64_t p = 0; p < ctx; ++p) sc[p] = exp_nonpos(sc[p] - max);
+    for (int64_t p = 0; p < ctx; ++p) sum += sc[p];
+    inv_sum[h] = 1.f / sum;
+  }
+  std::fill(acc, acc + heads * dim, 0.f);
+  for_each_block(v_cache, [&](int64_t start, int64_t n, const c10::BFloat16* rows) {
+    for (int64_t h = 0; h < heads; ++h)
+      accumulate_bf16<kDim>(scores + h * ctx + start, rows + h / group * dim, row_stride, n, acc + h * dim, dim);
+  });
+  c10::BFloat16* dst = out + (seq * s.num_heads + kv_begin * group) * dim;
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t d = 0; d < dim; ++d) dst[h * dim + d] = static_cast<c10::BFloat16>(acc[h * dim + d] * inv_sum[h]);
+}
+#endif
+
 template <typename T, int kDim>
 void decode_all(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                 const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, at::Tensor& out,
@@ -172,6 +250,15 @@ void decode_all(const at::Tensor& query, const at::Tensor& k_cache, const at::Te
       const int64_t seq = item / items_per_seq, kv_begin = item % items_per_seq * kv_per_item;
       const int64_t ctx = std::min<int64_t>(lens[seq], max_ctx);  // never past the block table
       TORCH_CHECK(ctx >= 1, "paged_decode: context_lens must be >= 1");
+#ifdef PAGEDSERVE_BF16_DOT
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (s.head_dim % 32 == 0) {
+          decode_item_bf16<kDim>(q, k, v, tables + seq * s.max_blocks, ctx, s, static_cast<float>(scale), seq,
+                                 kv_begin, kv_begin + kv_per_item, buf, o);
+          continue;
+        }
+      }
+#endif
       decode_item<T, kDim>(q, k, v, tables + seq * s.max_blocks, ctx, s, static_cast<float>(scale), seq, kv_begin,
                            kv_begin + kv_per_item, buf, o);
     }

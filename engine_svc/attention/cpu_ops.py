@@ -1,4 +1,4 @@
-"""Builds and loads the C++ CPU attention kernels (cpu_kernels.cpp) on first use.
+"""Builds and loads the C++ CPU kernels (cpu_kernels.cpp: paged decode; cpu_gemv.cpp: small-batch linear) on first use.
 
 The shared library is compiled with g++ straight against torch's headers and libraries (no
 ninja, no pybind: the op is registered with TORCH_LIBRARY and called as
@@ -23,12 +23,15 @@ from pathlib import Path
 
 import torch
 
+from engine_svc import cpu_info
+
 logger = logging.getLogger("pagedserve.attention")
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_gemv.cpp")]
 BASE_FLAGS = ["-std=c++17", "-O3", "-fPIC", "-shared", "-fopenmp", "-fno-trapping-math", "-Wno-unused-parameter"]
 ENV_SWITCH = "PAGEDSERVE_CPU_KERNELS"
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+AVX512_BF16 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})
 
 
 def enabled() -> bool:
@@ -53,11 +56,19 @@ def decode_kernel_for(query, k_cache, v_cache, block_tables, context_lens):
     return paged_decode_op()
 
 
+def linear_op():
+    """torch.ops.pagedserve_cpu.linear (bfloat16 GEMV for a few rows, else at::linear), or None."""
+    return torch.ops.pagedserve_cpu.linear if paged_decode_op() is not None else None
+
+
 @functools.cache
 def _load():
     try:
         library = build()
         torch.ops.load_library(str(library))
+        # shapes for torch.compile: the ops themselves stay opaque inside a compiled graph
+        torch.library.register_fake("pagedserve_cpu::linear")(
+            lambda x, weight, bias=None: x.new_empty((*x.shape[:-1], weight.shape[0])))
         return torch.ops.pagedserve_cpu.paged_decode
     except Exception as exc:  # noqa: BLE001 - any failure means "use the torch path", never a crash
         logger.warning("CPU attention kernels unavailable, using the pure-torch path: %s", exc)
@@ -65,14 +76,14 @@ def _load():
 
 
 def cpu_flags() -> list[str]:
-    """-mavx2 -mfma only when this CPU has them: the cache may be shared by another x86-64 CPU model,
-    so -march=native is avoided (the key below includes these flags)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= set(flags) else []
+    """The vector extensions this CPU has, never -march=native: the cache may be shared by another
+    x86-64 CPU model (the key below includes these flags). AVX-512 with BF16 enables the kernel's
+    in-place bfloat16 dot products."""
+    flags = cpu_info.cpu_flags()
+    out = ["-mavx2", "-mfma"] if {"avx2", "fma"} <= flags else []
+    if out and AVX512_BF16 <= flags:
+        out += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
+    return out
 
 
 def cache_dir() -> Path:
@@ -87,7 +98,8 @@ def build() -> Path:
         raise RuntimeError("no C++ compiler (g++/c++) on PATH")
     command = [compiler, *BASE_FLAGS, *cpu_flags(), *_torch_flags()]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    digest = hashlib.sha256("\0".join([*command, version, torch.__version__]).encode() + SOURCE.read_bytes())
+    digest = hashlib.sha256("\0".join([*command, version, torch.__version__]).encode()
+                            + b"".join(source.read_bytes() for source in SOURCES))
     target = cache_dir() / f"pagedserve_cpu_{digest.hexdigest()[:20]}.so"
     if target.exists():
         return target
@@ -96,9 +108,10 @@ def build() -> Path:
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="pagedserve-cpu-", dir=target.parent) as tmp:
         out = Path(tmp) / "lib.so"
-        proc = subprocess.run([*command, str(SOURCE), "-o", str(out), *_torch_libs()], capture_output=True, text=True)
+        proc = subprocess.run([*command, *map(str, SOURCES), "-o", str(out), *_torch_libs()], capture_output=True,
+                              text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE.name} failed:\n{proc.stderr[-4000:]}")
+            raise RuntimeError(f"compiling the CPU kernels failed:\n{proc.stderr[-4000:]}")
         os.replace(out, target)
     logger.info("compiled the CPU attention kernels in %.0f s", time.monotonic() - start)
     return target
@@ -117,4 +130,4 @@ def _torch_libs() -> list[str]:
     return [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-lc10", "-ltorch_cpu", "-ltorch"]
 
 
-__all__ = ["enabled", "paged_decode_op", "decode_kernel_for", "build", "cache_dir"]
+__all__ = ["enabled", "paged_decode_op", "decode_kernel_for", "linear_op", "build", "cache_dir"]

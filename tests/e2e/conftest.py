@@ -8,7 +8,7 @@ import pytest
 from tests.e2e.stack import Stack
 
 # small enough for this machine's two cores, large enough for 60 concurrent requests
-TINY_ENGINE_ARGS = ["--kv-cache-memory", "64M", "--max-num-seqs", "64", "--max-num-batched-tokens", "1024"]
+TINY_ENGINE_ARGS = ["--enforce-eager", "--kv-cache-memory", "64M", "--max-num-seqs", "64", "--max-num-batched-tokens", "1024"]
 TINY_MAX_MODEL_LEN = 1024
 
 
@@ -44,5 +44,5 @@ def tiny_engine(tiny_llama_dir):
     """The in-process LLMEngine on the same model: the reference for greedy text."""
     from engine_svc import EngineConfig, LLMEngine
 
-    return LLMEngine(EngineConfig(model=str(tiny_llama_dir), max_model_len=TINY_MAX_MODEL_LEN,
+    return LLMEngine(EngineConfig(enforce_eager=True, model=str(tiny_llama_dir), max_model_len=TINY_MAX_MODEL_LEN,
                                   kv_cache_memory=64 << 20))

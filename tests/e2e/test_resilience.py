@@ -115,7 +115,7 @@ def test_requests_a_dead_engine_admitted_fail_fast_while_another_engine_serves(r
     slot) is SIGKILLed. The gateway cannot fail them (an engine is alive): the detokenizer knows
     them from the engine's admission announcements and fails them with a 503 within the heartbeat
     age and a check, not the 600 s idle timeout; the other engine serves new requests."""
-    one_at_a_time = ["--kv-cache-memory", "64M", "--max-num-seqs", "1", "--max-num-batched-tokens", "1024"]
+    one_at_a_time = ["--enforce-eager", "--kv-cache-memory", "64M", "--max-num-seqs", "1", "--max-num-batched-tokens", "1024"]
     stack = Stack(redis_url, tiny_llama_dir, tmp_path / "logs", max_model_len=TINY_MAX_MODEL_LEN,
                   engine_args=one_at_a_time)
     stack.start()

@@ -17,7 +17,7 @@ def _greedy(model_dir, backend_name):
     from shared.protocol import SamplingParams
 
     # a fixed KV budget (not a share of free memory): the engine of the previous call may not be freed yet
-    config = EngineConfig(model=str(model_dir), device="cuda", dtype="float32", attention_backend=backend_name,
+    config = EngineConfig(enforce_eager=True, model=str(model_dir), device="cuda", dtype="float32", attention_backend=backend_name,
                           kv_cache_memory=2 << 30, max_num_batched_tokens=64)  # 64: chunked prefill too
     engine = LLMEngine(config)
     assert engine.runner.backend.name == backend_name

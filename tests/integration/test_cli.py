@@ -73,7 +73,7 @@ def test_serve_answers_then_stops_every_child(tiny_llama_dir, tmp_path):
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--model", str(tiny_llama_dir),
                              "--port", str(port), "--kv-cache-memory", "8M", "--max-model-len", "256",
-                             "--device", "cpu", "--dtype", "float32", "--detokenizers", "2", "--gateways", "2",
+                             "--device", "cpu", "--dtype", "float32", "--enforce-eager", "--detokenizers", "2", "--gateways", "2",
                              "--engine-nice", "3", "--engine-sched", "idle"],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

@@ -29,7 +29,7 @@ NUM_SHARDS = 2
 
 
 def _engine_config(model_dir) -> EngineConfig:
-    return EngineConfig(model=str(model_dir), device="cpu", dtype="float32", kv_cache_memory=4 << 20,
+    return EngineConfig(enforce_eager=True, model=str(model_dir), device="cpu", dtype="float32", kv_cache_memory=4 << 20,
                         max_model_len=MAX_MODEL_LEN, max_num_seqs=8, attention_backend="torch")
 
 

@@ -55,7 +55,7 @@ def test_selection_rule_matches_hf_with_eos_on_a_small_vocab():
 
 
 def test_engine_beam_search_matches_hf(tiny_llama_dir):
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=32 << 20))
+    engine = LLMEngine(EngineConfig(enforce_eager=True, model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=32 << 20))
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     eos = list(engine.runner.eos_token_ids)
     prompts = [list(range(5, 25)), [7], list(range(100, 137))]
@@ -72,7 +72,7 @@ def test_engine_beam_search_matches_hf(tiny_llama_dir):
 
 
 def test_beams_share_blocks(tiny_llama_dir):
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=32 << 20,
+    engine = LLMEngine(EngineConfig(enforce_eager=True, model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=32 << 20,
                                     block_size=16))
     engine.add_request("b", list(range(1, 161)), SamplingParams(n=4, use_beam_search=True, max_tokens=6))
     for _ in range(3):

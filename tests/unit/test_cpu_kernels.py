@@ -129,7 +129,7 @@ def test_engine_greedy_tokens_same_with_kernel_on_and_off(kernel, monkeypatch, t
     calls = spy_kernel_calls(monkeypatch)
     for switch in ("1", "0"):
         monkeypatch.setenv(cpu_ops.ENV_SWITCH, switch)
-        engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", block_size=16,
+        engine = LLMEngine(EngineConfig(enforce_eager=True, model=str(tiny_llama_dir), dtype="float32", block_size=16,
                                         kv_cache_memory=16 << 20, max_num_batched_tokens=128))
         tokens[switch] = [r.outputs[0].token_ids for r in engine.generate(prompts, params)]
         if switch == "1":
@@ -164,3 +164,21 @@ def test_bad_metadata_raises_instead_of_reading_outside_the_pool(kernel):
         kernel(q, pool, pool, torch.tensor([[7]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32), 1.0)
     with pytest.raises(RuntimeError, match="context_lens"):
         kernel(q, pool, pool, torch.tensor([[1]], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_rows", [1, 3, 8, 9, 17, 24, 40])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_small_batch_linear_matches_torch(kernel, dtype, num_rows, with_bias):
+    """cpu_gemv.cpp against a float64 reference on random inputs (rows past 8 run in tiles, 40
+    bfloat16 rows go to oneDNN); the output is fresh, so an unwritten element would be garbage."""
+    linear = cpu_ops.linear_op()
+    gen = torch.Generator().manual_seed(num_rows)
+    x = torch.randn(num_rows, 96, generator=gen).to(dtype)
+    weight = torch.randn(70, 96, generator=gen).to(dtype)  # 70 rows: a partial block of 32
+    bias = torch.randn(70, generator=gen).to(dtype) if with_bias else None
+    out = linear(x.view(1, num_rows, 96), weight, bias)
+    assert out.shape == (1, num_rows, 70) and out.dtype == dtype
+    ref = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=5e-2)  # bf16: one rounding
+    torch.testing.assert_close(out[0].double(), ref, **tol)

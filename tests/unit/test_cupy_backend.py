@@ -147,7 +147,7 @@ def _greedy(model_dir, backend, prompts):
     from engine_svc.model_runner import ModelRunner
     from shared.protocol import SamplingParams
 
-    config = EngineConfig(model=str(model_dir), dtype="float32", device="cpu", block_size=16,
+    config = EngineConfig(enforce_eager=True, model=str(model_dir), dtype="float32", device="cpu", block_size=16,
                           kv_cache_memory=8 << 20, max_num_batched_tokens=48, max_num_seqs=8)
     engine = LLMEngine(config, runner=ModelRunner(config, str(model_dir), backend=backend))
     results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))

@@ -33,10 +33,11 @@ def random_workload(vocab_size, num_prompts=32, seed=0):
     return prompts, max_tokens
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen3_dir"])
-def test_greedy_parity_with_preemption_and_chunked_prefill(request, model_fixture):
+def test_greedy_parity_with_preemption_and_chunked_prefill(request, model_fixture, compiled):
     model_dir = request.getfixturevalue(model_fixture)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", block_size=16,
+    engine = LLMEngine(EngineConfig(enforce_eager=not compiled, model=str(model_dir), dtype="float32", block_size=16,
                                     num_gpu_blocks_override=64, max_num_seqs=64, max_num_batched_tokens=256))
     prompts, max_tokens = random_workload(engine.vocab_size)
     assert max(len(p) for p in prompts) > engine.config.max_num_batched_tokens  # chunked prefill happens
@@ -53,7 +54,7 @@ def test_greedy_parity_with_preemption_and_chunked_prefill(request, model_fixtur
 
 
 def test_logprobs_match_hf_log_softmax(tiny_llama_dir):
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=16 << 20))
+    engine = LLMEngine(EngineConfig(enforce_eager=True, model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=16 << 20))
     prompts, _ = random_workload(engine.vocab_size, num_prompts=4, seed=1)
     results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True))
     assert_engine_idle(engine)
@@ -73,7 +74,7 @@ def test_logprobs_match_hf_log_softmax(tiny_llama_dir):
 
 
 def test_seeded_request_is_batch_invariant(tiny_llama_dir):
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=32 << 20))
+    engine = LLMEngine(EngineConfig(enforce_eager=True, model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=32 << 20))
     prompt = list(range(10, 40))
     seeded = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=24, ignore_eos=True)
     alone = engine.generate([prompt], seeded)[0].outputs[0].token_ids
@@ -89,7 +90,7 @@ def test_seeded_request_is_batch_invariant(tiny_llama_dir):
 
 
 def test_abort_frees_blocks_at_next_step(tiny_llama_dir):
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=16 << 20))
+    engine = LLMEngine(EngineConfig(enforce_eager=True, model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=16 << 20))
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     engine.add_request("keep", list(range(1, 50)), params)
     engine.add_request("drop", list(range(1, 90)), params)
@@ -109,7 +110,7 @@ def test_abort_frees_blocks_at_next_step(tiny_llama_dir):
 def test_bad_requests_are_refused_cleanly(tiny_llama_dir):
     from shared.protocol import ProtocolError
 
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=16 << 20,
+    engine = LLMEngine(EngineConfig(enforce_eager=True, model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=16 << 20,
                                     max_model_len=128))
     bad = [
         ([], SamplingParams()),
@@ -126,8 +127,10 @@ def test_bad_requests_are_refused_cleanly(tiny_llama_dir):
 
 
 @pytest.mark.slow
-def test_default_model_greedy_parity(default_model_dir):
-    engine = LLMEngine(EngineConfig(model=str(default_model_dir), dtype="float32", kv_cache_memory=64 << 20))
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_default_model_greedy_parity(default_model_dir, compiled):
+    engine = LLMEngine(EngineConfig(enforce_eager=not compiled, model=str(default_model_dir), dtype="float32",
+                                    kv_cache_memory=64 << 20))
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
              "The three primary colors are"]
     prompts = [engine.tokenizer.encode(t) for t in texts]

@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+from engine_svc import cpu_info
 from engine_svc.config import EngineConfig
 from engine_svc.model_runner import ModelRunner
 from engine_svc.models import ModelConfigError
@@ -36,13 +37,14 @@ CASES = {
 }
 
 
-def make_runner(model_dir, *, dtype="float32", num_blocks=48) -> ModelRunner:
-    config = EngineConfig(model=str(model_dir), dtype=dtype, device="cpu", block_size=BLOCK_SIZE,
-                          num_gpu_blocks_override=num_blocks, attention_backend="torch")
+def make_runner(model_dir, *, dtype="float32", num_blocks=48, enforce_eager=True) -> ModelRunner:
+    config = EngineConfig(enforce_eager=enforce_eager, model=str(model_dir), dtype=dtype, device="cpu",
+                          block_size=BLOCK_SIZE, num_gpu_blocks_override=num_blocks, attention_backend="torch")
     return ModelRunner(config, str(model_dir))
 
 
-def run_paged(runner: ModelRunner, seqs: list[list[int]], prompt_lens: list[int], first_chunk: int, seed=0):
+def run_paged(runner: ModelRunner, seqs: list[list[int]], prompt_lens: list[int], first_chunk: int, seed=0,
+              block_size=BLOCK_SIZE):
     """Drive the runner like a scheduler would: chunked prefill, then one token per step.
 
     Returns, per sequence, {position: logits row} for every position that was sampled.
@@ -50,7 +52,7 @@ def run_paged(runner: ModelRunner, seqs: list[list[int]], prompt_lens: list[int]
     rng = random.Random(seed)
     free = list(range(1, runner.num_blocks))
     rng.shuffle(free)  # non-contiguous, out of order
-    tables = [[free.pop() for _ in range(-(-len(s) // BLOCK_SIZE))] for s in seqs]
+    tables = [[free.pop() for _ in range(-(-len(s) // block_size))] for s in seqs]
     done = [0] * len(seqs)
     got: list[dict[int, torch.Tensor]] = [{} for _ in seqs]
     while any(d < len(s) for d, s in zip(done, seqs)):
@@ -88,14 +90,20 @@ def models_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("tiny-models")
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_logits_match_hf_through_paged_cache(case, models_dir):
+def test_logits_match_hf_through_paged_cache(case, compiled, models_dir):
     arch, overrides = CASES[case]
-    model_dir = build_tiny_model(arch, models_dir / case, seed=1, **overrides)
+    model_dir = models_dir / case
+    if not (model_dir / "config.json").is_file():
+        build_tiny_model(arch, model_dir, seed=1, **overrides)
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (27, 13, 6)]
     prompt_lens = [23, 10, 5]  # the rest are "generated" tokens fed one per step
-    got = run_paged(make_runner(model_dir), seqs, prompt_lens, first_chunk=9)
+    runner = make_runner(model_dir, enforce_eager=not compiled)
+    assert runner.num_compiles == (2 if compiled else 0)  # one-token steps, and every other count
+    got = run_paged(runner, seqs, prompt_lens, first_chunk=9)
+    assert runner.num_compiles == (2 if compiled else 0)
     for i, s in enumerate(seqs):
         ref = hf_logits(model_dir, s)
         assert sorted(got[i]) == list(range(prompt_lens[i] - 1, len(s)))
@@ -130,10 +138,13 @@ def test_runner_metadata(models_dir):
     assert runner.vocab_size == 512 and runner.max_model_len == 300 and runner.eos_token_ids == (2,)
     assert runner.kv_bytes_per_block == 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
     assert runner.num_blocks == 48 and runner.kv_caches[0][0].shape == (48, BLOCK_SIZE, 2, 16)
-    sized = ModelRunner(EngineConfig(model=str(model_dir), block_size=BLOCK_SIZE, kv_cache_memory=100 * 1024), str(model_dir))
-    assert sized.num_blocks == 100 * 1024 // sized.kv_bytes_per_block and sized.dtype == torch.float32
+    sized = ModelRunner(EngineConfig(enforce_eager=True, model=str(model_dir), block_size=BLOCK_SIZE,
+                                     kv_cache_memory=100 * 1024), str(model_dir))
+    auto = torch.bfloat16 if cpu_info.has_native_bf16() else torch.float32
+    assert sized.num_blocks == 100 * 1024 // sized.kv_bytes_per_block and sized.dtype == auto
     with pytest.raises(ValueError, match="max_model_len"):
-        ModelRunner(EngineConfig(model=str(model_dir), max_model_len=301, num_gpu_blocks_override=4), str(model_dir))
+        ModelRunner(EngineConfig(enforce_eager=True, model=str(model_dir), max_model_len=301,
+                                 num_gpu_blocks_override=4), str(model_dir))
 
 
 def test_block_copies_run_before_forward(models_dir):

@@ -16,7 +16,7 @@ def shared_prefix_workload(vocab_size, num=16, prefix_len=200, seed=0):
 
 
 def run(model_dir, prompts, caching, max_tokens=16, **overrides):
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", enable_prefix_caching=caching,
+    engine = LLMEngine(EngineConfig(enforce_eager=True, model=str(model_dir), dtype="float32", enable_prefix_caching=caching,
                                     **{"kv_cache_memory": 64 << 20, "max_num_batched_tokens": 512, **overrides}))
     results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     stats = engine.stats()
@@ -43,7 +43,7 @@ def test_caching_on_equals_off_default_model(default_model_dir):
 
 
 def test_n4_shares_prompt_blocks_and_children_match_seeded_requests(tiny_llama_dir):
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=64 << 20,
+    engine = LLMEngine(EngineConfig(enforce_eager=True, model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=64 << 20,
                                     block_size=16, enable_prefix_caching=False))
     prompt = [random.Random(3).randrange(1, 1000) for _ in range(256)]
     params = SamplingParams(n=4, temperature=1.0, seed=77, max_tokens=12, ignore_eos=True)

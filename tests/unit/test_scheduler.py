@@ -8,7 +8,7 @@ from shared.protocol import FinishReason, SamplingParams
 
 
 def make_scheduler(num_blocks=16, block_size=4, **overrides) -> Scheduler:
-    config = EngineConfig(block_size=block_size, **{"max_num_batched_tokens": 64, "max_num_seqs": 8, **overrides})
+    config = EngineConfig(enforce_eager=True, block_size=block_size, **{"max_num_batched_tokens": 64, "max_num_seqs": 8, **overrides})
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching)
     return Scheduler(config, bm, max_model_len=1024, eos_token_ids=[0])
 

