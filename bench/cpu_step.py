@@ -56,7 +56,7 @@ def weight_bytes(engine: LLMEngine) -> tuple[int, int]:
 
 def decode_steps(engine: LLMEngine, batch: int, steps: int = 24, prompt_len: int = 128) -> float:
     """Median seconds of a pure decode step with `batch` sequences running."""
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)  # outlives the prefills
     for i in range(batch):
         engine.add_request(f"d{batch}-{i}", [(7 * i + j) % 3000 + 100 for j in range(prompt_len)], params)
     times = []
@@ -67,6 +67,8 @@ def decode_steps(engine: LLMEngine, batch: int, steps: int = 24, prompt_len: int
         engine.step()
         if decoding and len(engine.scheduler.running) == batch:
             times.append(time.perf_counter() - t0)
+            if len(times) == steps:
+                engine.abort_request([r.request_id for r in engine.scheduler.running])
     return statistics.median(times[2:] or times)
 
 
