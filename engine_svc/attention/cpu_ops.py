@@ -1,12 +1,13 @@
-"""Builds and loads the C++ CPU kernels (cpu_kernels.cpp: paged decode; cpu_gemv.cpp: small-batch linear) on first use.
+"""Builds and loads the C++ CPU kernels on first use: cpu_kernels.cpp (paged decode attention) and
+cpu_gemv.cpp (the small-batch linear layer).
 
-The shared library is compiled with g++ straight against torch's headers and libraries (no
-ninja, no pybind: the op is registered with TORCH_LIBRARY and called as
-torch.ops.pagedserve_cpu.paged_decode). It is cached under $PAGEDSERVE_CACHE/torch_extensions
-(default ~/.cache/pagedserve/torch_extensions), keyed on the source, the flags, torch's version
+One shared library is compiled with g++ straight against torch's headers and libraries (no
+ninja, no pybind: the ops are registered with TORCH_LIBRARY and called as
+torch.ops.pagedserve_cpu.paged_decode / .linear). It is cached under $PAGEDSERVE_CACHE/torch_extensions
+(default ~/.cache/pagedserve/torch_extensions), keyed on the sources, the flags, torch's version
 and the compiler's, and renamed into place atomically so concurrent processes never load a
-half-written file. Any failure logs one warning and `paged_decode_op()` answers None from then
-on: the caller keeps the pure-torch path. PAGEDSERVE_CPU_KERNELS=0 disables the kernels.
+half-written file. Any failure logs one warning and `paged_decode_op()` / `linear_op()` answer
+None from then on: the callers keep the pure-torch paths. PAGEDSERVE_CPU_KERNELS=0 disables the kernels.
 """
 
 from __future__ import annotations
