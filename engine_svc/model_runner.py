@@ -141,12 +141,22 @@ class ModelRunner:
         """Run every graph shape once before the first request (compiles the forward and builds the
         CPU attention kernels): steps of WARM_UP_TOKENS tokens written into the null block 0."""
         start = time.monotonic()
-        for num_tokens in WARM_UP_TOKENS:
-            blocks = [0] * -(-num_tokens // self.block_size)
-            self.execute(SchedulerOutput(chunks=[ScheduledChunk("warm-up", [0] * num_tokens, 0, blocks, True)]))
+        try:
+            self._warm_up_steps()
+        except Exception as exc:  # noqa: BLE001 - e.g. no C++ compiler for inductor: serve eagerly
+            if self.compiled is None:
+                raise
+            logger.warning("the compiled forward failed to build, running eagerly: %s", str(exc).splitlines()[0])
+            self.compiled = None
+            self._warm_up_steps()
         if self.compiled is not None:
             logger.info("forward compiled (%d graphs) and warmed up in %.1f s", self.compiled.num_compiles,
                         time.monotonic() - start)
+
+    def _warm_up_steps(self) -> None:
+        for num_tokens in WARM_UP_TOKENS:
+            blocks = [0] * -(-num_tokens // self.block_size)
+            self.execute(SchedulerOutput(chunks=[ScheduledChunk("warm-up", [0] * num_tokens, 0, blocks, True)]))
 
     @property
     def num_compiles(self) -> int:

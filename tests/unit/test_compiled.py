@@ -117,3 +117,30 @@ def test_bf16_agrees_with_float32_on_the_default_model(default_model_dir):
     seqs = [s + o.outputs[0].token_ids for s, o in zip(seqs, outs)]
     same, dlogprob = agreement(default_model_dir, seqs, prompt_len=20)
     assert same >= MIN_TOP1_AGREEMENT and dlogprob <= MAX_MEAN_ABS_DLOGPROB, (same, dlogprob)
+
+
+def test_a_forward_that_cannot_compile_runs_eagerly(tmp_path):
+    """No C++ compiler for inductor (CXX points nowhere, an empty code cache): the engine logs it and
+    serves eagerly instead of dying at start. In a child process, since inductor caches its
+    compiler lookup for the life of a process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.fixtures.models import build_tiny_model
+
+    model_dir = build_tiny_model("llama", tmp_path / "odd", seed=5)
+    script = (
+        "from engine_svc import EngineConfig, LLMEngine\n"
+        "from shared.protocol import SamplingParams\n"
+        f"engine = LLMEngine(EngineConfig(model={str(model_dir)!r}, dtype='float32', kv_cache_memory=4 << 20))\n"
+        "out = engine.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))\n"
+        "print('RESULT', engine.runner.compiled is None, len(out[0].outputs[0].token_ids), engine.has_work())\n"
+    )
+    env = {"PATH": "/usr/bin:/bin", "CXX": str(tmp_path / "no-such-compiler"), "OMP_NUM_THREADS": "1",
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "PAGEDSERVE_CPU_KERNELS": "0",
+           "PAGEDSERVE_CACHE": str(Path.home() / ".cache" / "pagedserve"), "HOME": str(Path.home())}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert "RESULT True 6 False" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "the compiled forward failed to build, running eagerly" in proc.stderr
