@@ -92,7 +92,7 @@ class StepProbe:
         bs = self.engine.block_manager.block_size
         self.records.append(StepRecord(
             seconds=seconds, num_tokens=num_tokens, num_seqs=len(chunks),
-            num_sampled=len(plan.sample_rows) if plan is not None else 0,
+            num_sampled=len(plan.sampling) if plan is not None else 0,
             is_decode=bool(chunks) and num_tokens == len(chunks), num_running=len(running),
             allocated_slots=sum(len(r.block_table) for r in running) * bs,
             used_slots=sum(r.num_computed_tokens for r in running), sections=self.current))

@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 
 from detok_svc.incremental import TokenStrings, detokenizer_factory
 from detok_svc.stop import StopChecker
-from shared.protocol import (Abort, DetokParams, ErrorInfo, FinishReason, Message, RequestOutput, StreamNames, TextLogprobs,
-                             TokenDelta, TokenLogprobs, Usage)
+from shared.protocol import (Abort, Admission, DetokParams, ErrorInfo, FinishReason, Message, RequestOutput,
+                             StreamNames, TextLogprobs, TokenDelta, TokenLogprobs, Usage)
 
 MAX_FINISHED_IDS = 100_000
 
 
-class _Choice:
+class ChoiceText:
     """One sequence (choice ``index``) of a request: its detokenizer, stop checker and what was sent."""
 
     def __init__(self, params: DetokParams, new_detokenizer):
@@ -40,13 +40,15 @@ class _Choice:
 
 
 @dataclass(slots=True)
-class _Request:
+class RequestText:
+    """What a shard knows of one admitted request: where its text goes, and each choice's text."""
+
     reply_to: str
     params: DetokParams
     num_choices: int
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    choices: dict[int, _Choice] = field(default_factory=dict)
+    choices: dict[int, ChoiceText] = field(default_factory=dict)
     entry_ids: list[str] = field(default_factory=list)
     last_seen: float = field(default_factory=time.monotonic)
     engine_id: str = ""  # the engine its deltas come from
@@ -64,23 +66,24 @@ class DetokProcessor:
         self.new_detokenizer = detokenizer_factory(tokenizer)
         self.strings = TokenStrings(tokenizer)
         self.names = names
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, RequestText] = {}
         self.finished: OrderedDict[str, None] = OrderedDict()  # recently finished ids: late deltas are dropped
         self.holders: dict[str, int] = {}  # entry id -> unfinished requests with deltas in it
         self._touched: dict[str, None] = {}  # entries seen or released since the last take_ackable()
 
-    def process(self, entry_id: str, delta: TokenDelta) -> list[tuple[str, Message]]:
-        """The messages to send for one delta."""
+    def process(self, entry_id: str, msg: TokenDelta | Admission) -> list[tuple[str, Message]]:
+        """The messages to send for one delta (or admission)."""
         self._touched[entry_id] = None
-        request = self._request_for(delta)
+        request = self._request_for(msg)
         if request is None:
             return []
-        if delta.engine_id:
-            request.engine_id = delta.engine_id
         if not request.entry_ids or request.entry_ids[-1] != entry_id:
             request.entry_ids.append(entry_id)
             self.holders[entry_id] = self.holders.get(entry_id, 0) + 1
         request.last_seen = time.monotonic()
+        if isinstance(msg, Admission):  # the request (and its engine) is known; no text yet
+            return []
+        delta = msg
         out = self._apply(request, delta)
         if not request.is_finished:
             return out
@@ -131,7 +134,7 @@ class DetokProcessor:
                                                         error=error, num_choices=request.num_choices)))
         return out
 
-    def _drop(self, request_id: str) -> _Request | None:
+    def _drop(self, request_id: str) -> RequestText | None:
         """Forget a request (finished or given up on) and release its hold on its entries."""
         request = self.requests.pop(request_id, None)
         self._remember_finished(request_id)
@@ -144,26 +147,24 @@ class DetokProcessor:
                 del self.holders[entry_id]
         return request
 
-    def _request_for(self, delta: TokenDelta) -> _Request | None:
-        request = self.requests.get(delta.request_id)
-        if request is None and delta.reply_to is not None and delta.request_id not in self.finished:
-            request = _Request(delta.reply_to, delta.detok or DetokParams(), max(1, delta.num_choices))
-            self.requests[delta.request_id] = request
-        return request  # None: a late delta of a finished request (or one that never announced itself)
+    def _request_for(self, msg: TokenDelta | Admission) -> RequestText | None:
+        request = self.requests.get(msg.request_id)
+        if request is None and isinstance(msg, Admission) and msg.request_id not in self.finished:
+            request = RequestText(msg.reply_to, msg.detok, max(1, msg.num_choices), engine_id=msg.engine_id)
+            self.requests[msg.request_id] = request
+        return request  # None: a late delta of a finished request (or one never admitted)
 
     def _remember_finished(self, request_id: str) -> None:
         self.finished[request_id] = None
         if len(self.finished) > MAX_FINISHED_IDS:
             self.finished.popitem(last=False)
 
-    def _apply(self, request: _Request, delta: TokenDelta) -> list[tuple[str, Message]]:
-        if delta.seq < 0:  # the engine's announcement: the request (and its engine) is known, no text yet
-            return []
+    def _apply(self, request: RequestText, delta: TokenDelta) -> list[tuple[str, Message]]:
         choice = request.choices.get(delta.index)
         if choice is None:
             if not 0 <= delta.index < request.num_choices:
                 return []
-            choice = request.choices[delta.index] = _Choice(request.params, self.new_detokenizer)
+            choice = request.choices[delta.index] = ChoiceText(request.params, self.new_detokenizer)
         if delta.seq <= choice.last_seq or choice.finish_reason is not None:
             return []  # a duplicate, or tokens of a choice a stop string already ended
         choice.last_seq = delta.seq
@@ -171,7 +172,7 @@ class DetokProcessor:
         request.num_cached_tokens = max(request.num_cached_tokens, delta.num_cached_tokens)
         if delta.error is not None:  # the engine gave up on the whole request
             for index in range(request.num_choices):
-                request.choices.setdefault(index, _Choice(request.params, self.new_detokenizer))
+                request.choices.setdefault(index, ChoiceText(request.params, self.new_detokenizer))
                 request.choices[index].finish_reason = FinishReason.ERROR
             request.num_finished = request.num_choices
             return [(request.reply_to, RequestOutput(request_id=delta.request_id, seq=delta.seq, index=delta.index,
@@ -179,7 +180,7 @@ class DetokProcessor:
                                                      num_choices=request.num_choices))]
         return self._advance(request, choice, delta)
 
-    def _advance(self, request: _Request, choice: _Choice, delta: TokenDelta) -> list[tuple[str, Message]]:
+    def _advance(self, request: RequestText, choice: ChoiceText, delta: TokenDelta) -> list[tuple[str, Message]]:
         choice.num_tokens += len(delta.new_token_ids)
         choice.held_ids += delta.new_token_ids
         if request.params.logprobs and delta.logprobs:
@@ -213,7 +214,7 @@ class DetokProcessor:
         choice.held_ids, choice.held_logprobs = [], []
         return [(request.reply_to, output)]
 
-    def _usage(self, request: _Request) -> Usage:
+    def _usage(self, request: RequestText) -> Usage:
         return Usage(prompt_tokens=request.num_prompt_tokens,
                      completion_tokens=sum(c.num_tokens for c in request.choices.values()),
                      cached_tokens=request.num_cached_tokens)

@@ -12,25 +12,14 @@ import redis
 
 from detok_svc.processor import DetokProcessor
 from shared.config import DetokConfig
-from shared.protocol import TokenDelta
-from shared.heartbeat import HeartbeatWriter, read_heartbeats
+from shared.protocol import Admission, TokenDelta
 from shared.group_reader import GroupReader
+from shared.heartbeat import HeartbeatWriter, read_heartbeats
+from shared.models import load_tokenizer
 from shared.streams import Producer, connect
 
 log = logging.getLogger(__name__)
 GROUP_DETOK = "detok"
-
-
-def load_tokenizer(model: str | None):
-    import os
-
-    from transformers import AutoTokenizer
-
-    if model is None or not os.path.isdir(model):
-        from shared.models import resolve_model  # the default model, converted once
-
-        model = str(resolve_model(model))
-    return AutoTokenizer.from_pretrained(model)
 
 
 class DetokService:
@@ -45,7 +34,7 @@ class DetokService:
         self.to_gateway = Producer(self.client, config.bus.maxlen, batch=True)  # and Aborts to the engines
         self.from_engine = GroupReader(self.client, names.detok_in(config.shard), GROUP_DETOK,
                                        f"shard-{config.shard}", claim_idle_ms=None, dlq=names.dlq,
-                                       producer=self.to_gateway, accept=(TokenDelta,))
+                                       producer=self.to_gateway, accept=(TokenDelta, Admission))
         self.heartbeat = HeartbeatWriter(self.client, names.heartbeat, "detok", config.service_id,
                                          config.heartbeat_s)
         self.processor = processor
@@ -57,13 +46,14 @@ class DetokService:
 
     @classmethod
     def from_config(cls, config: DetokConfig) -> DetokService:
-        processor = DetokProcessor(load_tokenizer(config.model), config.bus.names)
+        processor = DetokProcessor(load_tokenizer(config.model, config.tokenizer), config.bus.names)
         gc.freeze()  # the tokenizer lives as long as the process: keep it out of every full collection
         return cls(config, processor)
 
     def run(self) -> None:
         self.from_engine.ensure_group()
-        log.info("detok shard %d/%d reading %s", self.config.shard, self.config.num_shards, self.from_engine.stream)
+        log.info("detok shard %d/%d reading %s", self.config.shard, self.config.num_detok_shards,
+                 self.from_engine.stream)
         try:
             while not self.stopping.is_set():
                 self.run_once(self.config.block_ms)
@@ -96,11 +86,10 @@ class DetokService:
         """Engines seen alive before whose heartbeat is now stale or gone. (Only engines once seen:
         an id this shard never saw beat is no evidence of anything.)"""
         try:
-            beats = read_heartbeats(self.client, self.config.bus.names.heartbeat,
-                                    max_age_s=self.config.engine_max_age_s)
+            alive = set(read_heartbeats(self.client, self.config.bus.names.heartbeat,
+                                        max_age_s=self.config.engine_max_age_s, service="engine"))
         except (redis.ConnectionError, redis.TimeoutError):
             return set()  # cannot tell: fail nobody
-        alive = {service_id for service_id, beat in beats.items() if beat.service == "engine"}
         self._seen_engines |= alive
         return self._seen_engines - alive
 

@@ -82,6 +82,15 @@ class FreeBlockQueue:
             node = node.next
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixCacheStats:
+    """Totals since start, in tokens: prompt tokens of first admissions, and those served from
+    the cache (vLLM's prefix_cache_queries / prefix_cache_hits)."""
+
+    queries: int
+    hits: int
+
+
 class BlockManager:
     """Allocates, frees, shares and matches blocks; never decides who runs.
 
@@ -97,8 +106,8 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[bytes, Block] = {}
-        self.num_cache_queries = 0  # in tokens
-        self.num_cache_hits = 0
+        self._num_cache_queries = 0  # tokens of first admissions; written by allocate_slots only
+        self._num_cache_hits = 0  # of them, tokens served from the cache
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -141,19 +150,27 @@ class BlockManager:
             if block is None:
                 break
             hits.append(block)
-        self.num_cache_queries += request.num_tokens
-        self.num_cache_hits += len(hits) * self.block_size
         return hits
 
-    # ------------------------------------------------------------------ allocation
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= self.num_free_blocks
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(self._num_cache_queries, self._num_cache_hits)
 
+    # ------------------------------------------------------------------ allocation
     def allocate_slots(self, request: Request, num_new_tokens: int, hits: list[Block] | None = None,
-                       copies: list[tuple[int, int]] | None = None) -> bool:
+                       copies: list[tuple[int, int]] | None = None, *, count_prefix_query: bool = False) -> bool:
         """Give ``request`` the blocks to write ``num_new_tokens`` more tokens (after taking the
         prefix-cache ``hits``), copying a shared block it must write into. False, with nothing
-        changed, when the free blocks do not suffice."""
+        changed, when the free blocks do not suffice. ``count_prefix_query`` (a first admission)
+        counts the request's tokens and its hits in the prefix-cache stats, once it succeeded."""
+        if not self._allocate(request, num_new_tokens, hits, copies):
+            return False
+        if count_prefix_query:
+            self._num_cache_queries += request.num_tokens
+            self._num_cache_hits += len(hits or ()) * self.block_size
+        return True
+
+    def _allocate(self, request: Request, num_new_tokens: int, hits: list[Block] | None,
+                  copies: list[tuple[int, int]] | None) -> bool:
         if not hits and self._fits_in_place(request, num_new_tokens):  # the common decode step
             end = request.num_computed_tokens + num_new_tokens
             if self.enable_prefix_caching and end // self.block_size > request.num_registered_blocks:
@@ -205,11 +222,6 @@ class BlockManager:
         request.block_table = []
         request.num_computed_tokens = 0
         request.num_registered_blocks = 0
-
-    def reset_prefix_cache(self) -> None:
-        for block in self.cached.values():
-            block.block_hash = None
-        self.cached.clear()
 
     # ------------------------------------------------------------------ internals
     def _fits_in_place(self, request: Request, num_new_tokens: int) -> bool:

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from engine_svc.block_manager import BlockManager
 from engine_svc.config import EngineConfig
-from engine_svc.request import Request, make_generator
+from engine_svc.request import Request
 from engine_svc.sampler import Sampler
 from engine_svc.scheduler import Scheduler
-from shared.protocol import FinishReason, ProtocolError, SamplingParams, TokenDelta, TokenLogprobs
+from shared.protocol import Admission, ErrorInfo, FinishReason, ProtocolError, SamplingParams, TokenDelta, TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -28,7 +29,7 @@ class CompletionOutput:
 
 
 @dataclass(slots=True)
-class GenerationResult:
+class RequestResult:
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
@@ -51,24 +52,32 @@ class LLMEngine:
         self.max_model_len = runner.max_model_len
         self.vocab_size = runner.vocab_size
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, runner.eos_token_ids)
-        self.scheduler.generator_device = runner.device
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, runner.eos_token_ids,
+                                   generator_device=runner.device)
         self.sampler = Sampler(runner.eos_token_ids)
         self._tokenizer = None
         self._next_id = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
-        """Validate again (a second front door must not bypass limits), then queue."""
+                    cache_salt: str | None = None, arrival_time: float | None = None) -> Admission:
+        """Validate again (a second front door must not bypass limits), then queue. The returned
+        Admission is the request's first message (the caller adds where it goes)."""
         self._validate(request_id, prompt_token_ids, params)
         request = Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt,
-                          arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-                          generator=make_generator(params.seed, 0, self.runner.device))
+                          arrival_time=arrival_time if arrival_time is not None else time.monotonic())
         self.scheduler.add(request)
+        return Admission(request_id=request_id, num_choices=params.n)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Their final ABORT deltas, one per unfinished choice, leave with the next step()."""
         self.scheduler.abort([request_ids] if isinstance(request_ids, str) else request_ids)
+
+    def fail_all(self, error: ErrorInfo) -> list[TokenDelta]:
+        """Give up on every request (a step raised): the final delta of each unfinished choice,
+        carrying ``error``, at once."""
+        self.scheduler.abort(list(self.scheduler.requests), FinishReason.ERROR)
+        return [dataclasses.replace(d, error=error) for d in self.scheduler.take_aborted()]
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.scheduler.requests
@@ -81,11 +90,12 @@ class LLMEngine:
         if plan.is_empty:
             return self.scheduler.take_aborted()
         logits = self.runner.execute(plan)
-        tokens = self.sampler(logits, plan)
+        tokens = self.sampler(logits, plan.sampling)
         return self.scheduler.update(plan, tokens)
 
     def stats(self) -> dict[str, float]:
         bm = self.block_manager
+        prefix_cache = bm.make_prefix_cache_stats()
         return {
             "num_total_blocks": bm.num_usable_blocks,
             "num_free_blocks": bm.num_free_blocks,
@@ -94,8 +104,8 @@ class LLMEngine:
             "num_requests": len(self.scheduler.requests),
             "num_preemptions": self.scheduler.num_preemptions,
             "kv_cache_usage": bm.usage,
-            "prefix_cache_queries": bm.num_cache_queries,
-            "prefix_cache_hits": bm.num_cache_hits,
+            "prefix_cache_queries": prefix_cache.queries,
+            "prefix_cache_hits": prefix_cache.hits,
         }
 
     def _validate(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
@@ -132,17 +142,17 @@ class LLMEngine:
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, on_step=None) -> list[GenerationResult]:
+                 *, on_step=None) -> list[RequestResult]:
         """Run the prompts to completion; ``on_step(engine)`` is called after every step."""
         params_list = _broadcast(params or SamplingParams(), len(prompts))
-        results: dict[str, GenerationResult] = {}
+        results: dict[str, RequestResult] = {}
         order = []
         for prompt, p in zip(prompts, params_list):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             request_id = f"gen-{self._next_id}"
             self._next_id += 1
             self.add_request(request_id, ids, p)
-            results[request_id] = GenerationResult(request_id, ids, [CompletionOutput(i) for i in range(p.n)])
+            results[request_id] = RequestResult(request_id, ids, [CompletionOutput(i) for i in range(p.n)])
             order.append(request_id)
         while self.has_work():
             for delta in self.step():

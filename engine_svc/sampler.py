@@ -6,14 +6,12 @@ from collections.abc import Sequence
 
 import torch
 
-from engine_svc.request import Request
-from engine_svc.scheduler import SampledTokens
-from engine_svc.scheduler_output import SchedulerOutput
+from engine_svc.scheduler_output import SampleRow, SamplerOutput
 from shared.protocol import TokenLogprobs
 
 
 class Sampler:
-    """A function of (logits, the sampled sequences' params and histories) -> tokens.
+    """A function of (logits, the sample rows of a plan) -> tokens, keyed by sequence.
 
     Logprobs come from the raw logits, before any processing. A seeded sequence draws its noise
     only from its own generator, so its tokens do not depend on the batch around it. Sorting
@@ -28,32 +26,38 @@ class Sampler:
             use_flashinfer = flashinfer_sampler.is_available()
         self.use_flashinfer = use_flashinfer
 
-    def __call__(self, logits: torch.Tensor, plan: SchedulerOutput) -> SampledTokens:
-        requests: list[Request] = plan.sample_requests
+    def __call__(self, logits: torch.Tensor, requests: list[SampleRow]) -> SamplerOutput:
         if not requests:
-            return SampledTokens([], [])
-        rows = plan.sample_rows
+            return SamplerOutput()
+        rows = [r.logits_row for r in requests]
         if rows[-1] != len(rows) - 1:  # some rows feed several sequences (n > 1 forks)
             logits = logits[torch.tensor(rows, device=logits.device)]
         raw = logits
         logits = self._process(logits, requests)
         token_ids = self._sample(logits, requests)
-        return SampledTokens(token_ids.tolist(), self._logprobs(raw, token_ids, requests),
-                             self._beam_rows(raw, requests))
+        keys = [r.key for r in requests]
+        logprobs = self._logprobs(raw, token_ids, requests)
+        return SamplerOutput(dict(zip(keys, token_ids.tolist())),
+                             {k: lp for k, lp in zip(keys, logprobs) if lp is not None},
+                             self._beam_candidates(raw, requests))
 
     @staticmethod
-    def _beam_rows(raw: torch.Tensor, requests: list[Request]) -> dict[int, torch.Tensor]:
-        """Beam search chooses tokens itself, from the raw log_softmax of each beam."""
-        beams = [i for i, r in enumerate(requests) if r.beam is not None]
+    def _beam_candidates(raw: torch.Tensor, requests: list[SampleRow]) -> dict:
+        """Beam search chooses tokens itself, from the best raw log_softmax entries of each beam:
+        the search's top K over all beams lies within each beam's own top K."""
+        beams = [i for i, r in enumerate(requests) if r.beam_candidates]
         if not beams:
             return {}
+        k = max(requests[i].beam_candidates for i in beams)
         rows = torch.log_softmax(raw[torch.tensor(beams, device=raw.device)].float(), dim=-1)
-        return dict(zip(beams, rows.unbind(0)))
+        values, ids = rows.topk(min(k, rows.shape[1]), dim=-1)
+        return {requests[i].key: list(zip(ids_row, values_row))[:requests[i].beam_candidates]
+                for i, ids_row, values_row in zip(beams, ids.tolist(), values.tolist())}
 
     # ------------------------------------------------------------------ processors
-    def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor, requests: list[SampleRow]) -> torch.Tensor:
         biased = [i for i, r in enumerate(requests) if r.params.logit_bias]
-        blocked = [i for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
+        blocked = [i for i, r in enumerate(requests) if r.ban_stop]
         penalized = [i for i, r in enumerate(requests) if _has_penalty(r)]
         if not (biased or blocked or penalized):
             return logits
@@ -72,17 +76,17 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _apply_penalties(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
+    def _apply_penalties(logits: torch.Tensor, requests: list[SampleRow], rows: list[int]) -> None:
         device, vocab = logits.device, logits.shape[1]
         sub = logits[rows]
         counts = torch.zeros_like(sub)
         seen = torch.zeros(sub.shape, dtype=torch.bool, device=device)
         for j, request in enumerate(requests):
-            outputs = request.output_token_ids
+            outputs = request.history[request.num_prompt_tokens:]
             if outputs:
                 ids = torch.tensor(outputs, device=device)
                 counts[j].index_add_(0, ids, torch.ones(len(outputs), dtype=sub.dtype, device=device))
-            seen[j, torch.tensor(request.token_ids, device=device).clamp_(0, vocab - 1)] = True
+            seen[j, torch.tensor(request.history, device=device).clamp_(0, vocab - 1)] = True
         rep = torch.tensor([r.params.repetition_penalty for r in requests], device=device).unsqueeze(1)
         freq = torch.tensor([r.params.frequency_penalty for r in requests], device=device).unsqueeze(1)
         pres = torch.tensor([r.params.presence_penalty for r in requests], device=device).unsqueeze(1)
@@ -92,7 +96,7 @@ class Sampler:
         logits[rows] = sub
 
     # ------------------------------------------------------------------ sampling
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: list[SampleRow]) -> torch.Tensor:
         greedy = torch.tensor([r.params.is_greedy for r in requests], device=logits.device)
         argmax = logits.argmax(dim=-1)
         if bool(greedy.all()):
@@ -113,7 +117,7 @@ class Sampler:
         return torch.where(greedy, argmax, sampled)
 
     @staticmethod
-    def _sample_flashinfer(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _sample_flashinfer(logits: torch.Tensor, requests: list[SampleRow]) -> torch.Tensor:
         """FlashInfer's sorting-free kernels draw the whole batch from one generator, so only
         batches without per-request seeds come here (seeded ones keep the torch path)."""
         from engine_svc.flashinfer_sampler import flashinfer_sample
@@ -130,7 +134,7 @@ class Sampler:
     # ------------------------------------------------------------------ logprobs
     @staticmethod
     def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
-                  requests: list[Request]) -> list[TokenLogprobs | None]:
+                  requests: list[SampleRow]) -> list[TokenLogprobs | None]:
         wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         out: list[TokenLogprobs | None] = [None] * len(requests)
         if not wanted:
@@ -154,12 +158,12 @@ class Sampler:
         return out
 
 
-def _has_penalty(request: Request) -> bool:
+def _has_penalty(request: SampleRow) -> bool:
     p = request.params
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
-def _min_p(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def _min_p(logits: torch.Tensor, requests: list[SampleRow]) -> torch.Tensor:
     rows = [i for i, r in enumerate(requests) if r.params.min_p > 0.0 and not r.params.is_greedy]
     if not rows:
         return logits
@@ -170,7 +174,7 @@ def _min_p(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def _top_k_top_p(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def _top_k_top_p(logits: torch.Tensor, requests: list[SampleRow]) -> torch.Tensor:
     vocab = logits.shape[1]
     top_k = [min(r.params.top_k, vocab) if r.params.top_k and r.params.top_k > 0 else vocab for r in requests]
     top_p = [r.params.top_p for r in requests]

@@ -4,25 +4,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-
-import torch
 
 from engine_svc.beam_search import BeamGroup, BeamSearch
 from engine_svc.block_manager import BlockManager
 from engine_svc.config import EngineConfig
 from engine_svc.request import Request, RequestStatus, make_generator
-from engine_svc.scheduler_output import ScheduledChunk, SchedulerOutput
-from shared.protocol import FinishReason, TokenDelta, TokenLogprobs
-
-
-@dataclass(frozen=True, slots=True)
-class SampledTokens:
-    """The sampler's answer: one token (and its logprobs when asked) per sampled sequence."""
-
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
-    beam_logprobs: dict[int, torch.Tensor] = field(default_factory=dict)  # sample index -> log_softmax row
+from engine_svc.scheduler_output import SampleRow, ScheduledChunk, SamplerOutput, SchedulerOutput, SeqKey
+from shared.protocol import FinishReason, TokenDelta
 
 
 class Scheduler:
@@ -31,25 +19,29 @@ class Scheduler:
     FCFS over a waiting queue and a running list. Running sequences are served first (decode
     and unfinished prompt chunks); waiting ones are admitted while the token budget, the
     sequence cap and the free blocks allow. When blocks run out, the newest running sequence is
-    preempted by recompute: its blocks are freed and it waits at the head of the queue.
+    preempted by recompute: its blocks are freed and it waits at the head of the queue. Every
+    choice of every request gets exactly one final delta, aborts included.
     """
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
-                 eos_token_ids: Iterable[int] = ()):
+                 eos_token_ids: Iterable[int] = (), generator_device: str = "cpu"):
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.generator_device = generator_device  # where seeded sequences' torch.Generators live
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, list[Request]] = {}
         self.num_preemptions = 0
-        self.generator_device = "cpu"  # where seeded sequences' torch.Generators live
         self._aborted: list[TokenDelta] = []
+        self._scheduled: list[Request] = []  # this step's plan.chunks[i] belongs to _scheduled[i]
+        self._sampled: dict[SeqKey, Request] = {}
 
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> None:
         params = request.params
+        request.generator = make_generator(params.seed, request.index, self.generator_device)
         if params.use_beam_search:
             eos = () if params.ignore_eos else self.eos_token_ids
             max_new = params.max_tokens or self.max_model_len - request.num_prompt_tokens
@@ -61,10 +53,15 @@ class Scheduler:
         self.waiting.append(request)
         self.requests[request.request_id] = [request]
 
-    def abort(self, request_ids: Iterable[str]) -> None:
-        """Free the sequences now; their final ABORT deltas leave with the next step."""
+    def abort(self, request_ids: Iterable[str], reason: FinishReason = FinishReason.ABORT) -> None:
+        """Free the sequences now; the final delta of every unfinished choice (forked or not yet)
+        leaves with the next step, or with take_aborted()."""
         for request_id in request_ids:
-            for request in self.requests.pop(request_id, ()):
+            family = self.requests.pop(request_id, None)
+            if family is None:
+                continue
+            first = family[0]
+            for request in family:
                 if request.is_finished:
                     continue
                 if request.status == RequestStatus.RUNNING:
@@ -72,8 +69,12 @@ class Scheduler:
                 else:
                     self.waiting.remove(request)
                 self.block_manager.free(request)
-                request.finish(FinishReason.ABORT)
-                self._aborted.append(self._delta(request))
+                request.finish(reason)
+                if request.beam is None:
+                    self._aborted.append(self._delta(request))
+            n = first.params.n
+            unstarted = range(n) if first.beam is not None else range(n - first.num_children_pending, n)
+            self._aborted += [self._final(first, index, reason) for index in unstarted]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._aborted)
@@ -81,6 +82,7 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
         plan = SchedulerOutput()
+        self._scheduled, self._sampled = [], {}
         budget = self.config.max_num_batched_tokens
         budget, preempted = self._schedule_running(plan, budget)
         if not preempted:
@@ -123,13 +125,12 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if not bm.allocate_slots(request, num_new, hits):
+            first_admission = request.status == RequestStatus.WAITING  # not a resumed preemption
+            if not bm.allocate_slots(request, num_new, hits, count_prefix_query=first_admission):
                 break
             self.waiting.popleft()
-            if request.status == RequestStatus.WAITING:  # first admission, not a resumed preemption
+            if first_admission:
                 request.num_cached_tokens = len(hits) * bm.block_size
-                bm.num_cache_queries += request.num_tokens
-                bm.num_cache_hits += request.num_cached_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             forked += self._add_chunk(plan, request, num_new)
@@ -141,19 +142,25 @@ class Scheduler:
         end = start + num_new
         sample = end == request.num_tokens
         plan.chunks.append(ScheduledChunk(request.request_id, request.token_ids[start:end], start,
-                                          request.block_table, sample))
-        plan.requests.append(request)
+                                          tuple(request.block_table), sample))
+        self._scheduled.append(request)
         if not sample:
             return []
-        row = plan.sample_rows[-1] + 1 if plan.sample_rows else 0
-        plan.sample_rows.append(row)
-        plan.sample_requests.append(request)
-        if not request.num_children_pending:
-            return []
-        children = self._fork_children(request, end)
-        plan.sample_rows += [row] * len(children)
-        plan.sample_requests += children
+        row = plan.sampling[-1].logits_row + 1 if plan.sampling else 0
+        children = self._fork_children(request, end) if request.num_children_pending else []
+        for sequence in [request, *children]:
+            plan.sampling.append(self._sample_row(sequence, row))
+            self._sampled[sequence.key] = sequence
         return children
+
+    def _sample_row(self, request: Request, row: int) -> SampleRow:
+        params = request.params
+        beam = request.beam
+        return SampleRow(request.key, row, params, request.num_prompt_tokens,
+                         history=tuple(request.token_ids) if params.uses_history else (),
+                         ban_stop=request.num_output_tokens < params.min_tokens,
+                         beam_candidates=beam.search.num_candidates if beam is not None else 0,
+                         generator=request.generator)
 
     def _fork_children(self, parent: Request, num_computed: int) -> list[Request]:
         """n > 1: the prompt was computed once; the other n - 1 sequences share its blocks."""
@@ -178,23 +185,23 @@ class Scheduler:
         self.num_preemptions += 1
 
     # ------------------------------------------------------------------ update
-    def update(self, plan: SchedulerOutput, sampled: SampledTokens) -> list[TokenDelta]:
+    def update(self, plan: SchedulerOutput, sampled: SamplerOutput) -> list[TokenDelta]:
         """Advance the sequences by what the step computed and sampled; report new tokens."""
-        for request, chunk in zip(plan.requests, plan.chunks):
+        for request, chunk in zip(self._scheduled, plan.chunks):
             request.num_computed_tokens += len(chunk.token_ids)
         deltas, self._aborted = self._aborted, []
         any_finished = False
         groups: list[BeamGroup] = []
-        for i, (request, token_id, logprobs) in enumerate(
-                zip(plan.sample_requests, sampled.token_ids, sampled.logprobs)):
+        for key, request in self._sampled.items():
             if request.is_finished:  # aborted while the step ran
                 continue
             if request.beam is not None:
-                request.beam.rows[request] = sampled.beam_logprobs[i]
+                request.beam.rows[request] = sampled.beam_candidates[key]
                 if request.beam not in groups:
                     groups.append(request.beam)
                 continue
-            request.append_token(token_id, logprobs)
+            token_id = sampled.token_ids[key]
+            request.append_token(token_id, sampled.logprobs.get(key))
             self._check_stop(request, token_id)
             deltas.append(self._delta(request))
             if request.is_finished:
@@ -207,12 +214,13 @@ class Scheduler:
                 any_finished = True
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
+        self._scheduled, self._sampled = [], {}
         return deltas
 
     def _advance_beams(self, group: BeamGroup) -> list[TokenDelta]:
         """One beam-search step: fork the chosen parents (sharing all their blocks), drop the rest."""
         old = group.beams
-        moves = group.search.step(torch.stack([group.rows[beam] for beam in old]))
+        moves = group.search.step([group.rows[beam] for beam in old])
         group.beams = [] if group.search.done else [self._fork_beam(old[p], token, slot)
                                                      for slot, (p, token) in enumerate(moves)]
         group.rows = {}
@@ -226,13 +234,15 @@ class Scheduler:
             self.requests[first.request_id] = group.beams
             return []
         del self.requests[first.request_id]
-        best = group.search.best(first.params.n)
-        return [TokenDelta(request_id=first.request_id, seq=0, index=i, new_token_ids=tuple(h.token_ids),
-                           cumulative_logprob=h.cumulative_logprob,
-                           finish_reason=int(FinishReason.STOP if h.ends_with_eos else FinishReason.LENGTH),
-                           engine_id=self.config.engine_id, num_prompt_tokens=first.num_prompt_tokens,
-                           num_cached_tokens=first.num_cached_tokens, num_choices=len(best))
-                for i, h in enumerate(best)]
+        n = first.params.n
+        best = group.search.best(n)
+        finals = [TokenDelta(request_id=first.request_id, seq=0, index=i, new_token_ids=tuple(h.token_ids),
+                             cumulative_logprob=h.cumulative_logprob,
+                             finish_reason=int(FinishReason.STOP if h.ends_with_eos else FinishReason.LENGTH),
+                             num_prompt_tokens=first.num_prompt_tokens, num_cached_tokens=first.num_cached_tokens,
+                             num_choices=n)
+                  for i, h in enumerate(best)]
+        return finals + [self._final(first, i, FinishReason.LENGTH) for i in range(len(best), n)]
 
     def _fork_beam(self, parent: Request, token_id: int, slot: int) -> Request:
         child = Request(parent.request_id, parent.prompt_token_ids, parent.params, index=slot,
@@ -274,13 +284,20 @@ class Scheduler:
             logprobs=tuple(request.pending_logprobs) if wants_logprobs else None,
             cumulative_logprob=request.cumulative_logprob if wants_logprobs else None,
             finish_reason=int(request.finish_reason) if request.finish_reason else None,
-            stop_reason=request.stop_reason, engine_id=self.config.engine_id,
-            num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens,
+            stop_reason=request.stop_reason, num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens,
             num_choices=request.params.n)
         request.num_deltas_sent += 1
         request.pending_token_ids = []
         request.pending_logprobs = []
         return delta
+
+    @staticmethod
+    def _final(first: Request, index: int, reason: FinishReason) -> TokenDelta:
+        """The token-less final delta of a choice that never produced one (a child not forked yet,
+        a beam request's choice)."""
+        return TokenDelta(request_id=first.request_id, seq=0, index=index, finish_reason=int(reason),
+                          num_prompt_tokens=first.num_prompt_tokens, num_cached_tokens=first.num_cached_tokens,
+                          num_choices=first.params.n)
 
     def _forget(self, request: Request) -> None:
         family = self.requests.get(request.request_id)

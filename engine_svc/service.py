@@ -13,11 +13,10 @@ import signal
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 from shared.config import EngineServiceConfig
-from shared.protocol import (GROUP_ENGINE, Abort, DetokParams, EngineRequest, ErrorInfo, FinishReason, Message,
-                             ProtocolError, RequestOutput, TokenDelta, detok_shard)
+from shared.protocol import (GROUP_ENGINE, Abort, EngineRequest, ErrorInfo, FinishReason, Message, ProtocolError,
+                             RequestOutput, TokenDelta, detok_shard)
 from shared.heartbeat import HeartbeatWriter
 from shared.group_reader import GroupReader
 from shared.streams import Producer, StreamReader, connect
@@ -26,18 +25,7 @@ log = logging.getLogger(__name__)
 MAX_REMEMBERED = 100_000
 
 
-@dataclass(slots=True)
-class _Route:
-    """Where a request's deltas go, and which of its choices have announced themselves or finished."""
-
-    reply_to: str
-    detok: DetokParams
-    num_choices: int
-    last_seq: dict[int, int] = field(default_factory=dict)
-    finished: set[int] = field(default_factory=set)
-
-
-class _Recent:
+class RecentIds:
     """A bounded set of request ids seen lately (finished, or aborted before they arrived)."""
 
     def __init__(self, limit: int = MAX_REMEMBERED):
@@ -55,7 +43,8 @@ class _Recent:
 
 
 class EngineService:
-    """Owns one engine's bus endpoints and the route of every request it holds."""
+    """Moves one engine's messages: requests and aborts in, the engine's admissions and deltas
+    out to the detok shards, refusals to gateways. The engine owns every request's state."""
 
     def __init__(self, config: EngineServiceConfig, engine, client=None):
         self.config = config
@@ -72,9 +61,8 @@ class EngineService:
         self.from_ctl = StreamReader(self.client, names.engine_ctl, start=f"{max(lookback_ms, 0)}-0")
         self.heartbeat = HeartbeatWriter(self.client, names.heartbeat, "engine", config.service_id,
                                          config.heartbeat_s)
-        self.routes: dict[str, _Route] = {}
-        self.finished = _Recent()
-        self.aborted = _Recent()  # aborts that arrived before their request
+        self.finished = RecentIds()
+        self.aborted = RecentIds()  # aborts that arrived before their request
         self.stopping = threading.Event()
 
     # ----------------------------------------------------------------- the loop
@@ -97,19 +85,19 @@ class EngineService:
         self.apply_aborts(self.from_ctl.read(count=1024))
         if self.engine.has_work():
             self.to_detok.send_many(self.step())
-        self.heartbeat.beat(self.stats())
+        self.heartbeat.beat(self.engine.stats())
 
     # ----------------------------------------------------------------- handlers
     def admit(self, req: EngineRequest) -> list[tuple[str, Message]]:
         rid = req.request_id
-        if rid in self.routes or rid in self.finished or self.engine.has_request(rid):
+        if rid in self.finished or self.engine.has_request(rid):
             return []  # a re-delivery: already admitted
         if rid in self.aborted:  # its client left before it got here: close it, admit nothing
             self.finished.add(rid)
             return [(req.reply_to, RequestOutput(request_id=rid, finish_reason=FinishReason.ABORT,
                                                  num_choices=req.sampling.n))]
         try:
-            self.engine.add_request(rid, req.prompt_token_ids, req.sampling, cache_salt=req.cache_salt)
+            admission = self.engine.add_request(rid, req.prompt_token_ids, req.sampling, cache_salt=req.cache_salt)
         except ProtocolError as exc:
             code = getattr(exc, "code", 400)
             error = ErrorInfo(message=exc.message, param=exc.param, code=code,
@@ -119,17 +107,9 @@ class EngineService:
             log.exception("admitting %s failed", rid)
             return self._refuse(req, ErrorInfo(message=f"engine error: {type(exc).__name__}",
                                                type="InternalServerError", code=500))
-        self.routes[rid] = _Route(req.reply_to, req.detok, req.sampling.n)
-        return [self._announce(rid)]
-
-    def _announce(self, rid: str) -> tuple[str, Message]:
-        """A token-less delta (seq -1) that tells the request's detok shard it is admitted and by
-        which engine, so that if this engine dies before the first token the shard fails the request
-        at once instead of its client waiting for the idle timeout."""
-        route = self.routes[rid]
-        delta = TokenDelta(request_id=rid, seq=-1, engine_id=self.config.service_id, num_choices=route.num_choices,
-                           reply_to=route.reply_to, detok=route.detok)
-        return self._detok_stream(rid), delta
+        admission = dataclasses.replace(admission, engine_id=self.config.service_id, reply_to=req.reply_to,
+                                        detok=req.detok)
+        return [(self._detok_stream(rid), admission)]
 
     def _detok_stream(self, rid: str) -> str:
         return self.names.detok_in(detok_shard(rid, self.config.num_detok_shards))
@@ -142,7 +122,7 @@ class EngineService:
     def apply_aborts(self, envelopes) -> None:
         ids = [rid for env in envelopes if isinstance(env.msg, Abort) for rid in env.msg.request_ids]
         for rid in ids:
-            if rid not in self.routes and rid not in self.finished:
+            if rid not in self.finished and not self.engine.has_request(rid):
                 self.aborted.add(rid)
         if ids:
             self.engine.abort_request(ids)  # the engine answers with ABORT deltas on its next step
@@ -152,69 +132,25 @@ class EngineService:
             deltas = self.engine.step()
         except Exception as exc:  # a broken step must not leave clients hanging
             log.exception("engine step failed")
-            return self._fail_all(exc)
-        out = [item for delta in deltas for item in self._route(delta)]
-        aborted = {d.request_id for d in deltas if d.finish_reason == FinishReason.ABORT}
-        for rid in aborted & self.routes.keys():  # choices never forked still need their final delta
-            out += self._close(rid, FinishReason.ABORT)
-        return out
+            deltas = self.engine.fail_all(ErrorInfo(message=f"engine error: {type(exc).__name__}: {exc}"[:500],
+                                                    type="InternalServerError", code=500))
+        return [self._publish(delta) for delta in deltas]
 
-    # ----------------------------------------------------------------- deltas
-    def _route(self, delta: TokenDelta, error: ErrorInfo | None = None) -> list[tuple[str, Message]]:
-        route = self.routes.get(delta.request_id)
-        if route is None:
-            return []
-        first = delta.index not in route.last_seq
-        route.last_seq[delta.index] = delta.seq
-        msg = delta if not first else _with(delta, reply_to=route.reply_to, detok=route.detok)
-        if error is not None:
-            msg = _with(msg, error=error)
-        if delta.finish_reason is not None:
-            route.finished.add(delta.index)
-            if len(route.finished) >= route.num_choices:
-                del self.routes[delta.request_id]
-                self.finished.add(delta.request_id)
-        return [(self._detok_stream(delta.request_id), msg)]
-
-    def _close(self, rid: str, reason: FinishReason, error: ErrorInfo | None = None) -> list[tuple[str, Message]]:
-        """Final deltas for every choice of ``rid`` that has not finished yet."""
-        route = self.routes[rid]
-        out = []
-        for index in range(route.num_choices):
-            if index in route.finished:
-                continue
-            delta = TokenDelta(request_id=rid, seq=route.last_seq.get(index, -1) + 1, index=index,
-                               finish_reason=reason, engine_id=self.config.service_id, num_choices=route.num_choices)
-            out += self._route(delta, error)
-        return out
-
-    def _fail_all(self, exc: Exception) -> list[tuple[str, Message]]:
-        error = ErrorInfo(message=f"engine error: {type(exc).__name__}: {exc}"[:500], type="InternalServerError",
-                          code=500)
-        rids = list(self.routes)
-        try:
-            self.engine.abort_request(rids)
-        except Exception:
-            log.exception("abort after a failed step failed too")
-        return [item for rid in rids for item in self._close(rid, FinishReason.ERROR, error)]
+    def _publish(self, delta: TokenDelta) -> tuple[str, Message]:
+        if delta.finish_reason is not None and not self.engine.has_request(delta.request_id):
+            self.finished.add(delta.request_id)
+        return self._detok_stream(delta.request_id), delta
 
     # ----------------------------------------------------------------- status
-    def stats(self) -> dict[str, float]:
-        return {**self.engine.stats(), "num_routes": len(self.routes)}
-
     def stop(self, *_args) -> None:
         self.stopping.set()
 
 
-def _with(delta: TokenDelta, **changes) -> TokenDelta:
-    return dataclasses.replace(delta, **changes)
-
-
-def main(config: EngineServiceConfig, engine_kwargs: dict) -> None:
-    from engine_svc import EngineConfig, LLMEngine
+def main(config: EngineServiceConfig) -> None:
+    from engine_svc import LLMEngine
 
     started = time.monotonic()
-    engine = LLMEngine(EngineConfig(**engine_kwargs))
+    engine = LLMEngine(config.engine)
     log.info("engine loaded in %.1fs: %s", time.monotonic() - started, engine.stats())
     service = EngineService(config, engine)
     signal.signal(signal.SIGTERM, service.stop)

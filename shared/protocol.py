@@ -9,110 +9,17 @@ checked against its annotation (``shared/codec.py``), and anything wrong raises 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import ClassVar
 
 import msgpack
 
 from shared.codec import ProtocolError, from_plain, to_plain
+from shared.sampling_params import (MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, FinishReason,  # noqa: F401 (the wire's types)
+                                    SamplingParams)
 
 MAX_MESSAGE_BYTES = 32 << 20
 MAX_PROMPT_TOKENS = 1 << 20
-MAX_STOP_STRINGS = 16
-MAX_LOGPROBS = 20
-MAX_N = 64
-
-
-class FinishReason(IntEnum):
-    STOP = 1  # EOS, a stop token or a stop string
-    LENGTH = 2  # max_tokens or max_model_len
-    ABORT = 3  # client went away or an Abort arrived
-    ERROR = 4
-
-    @property
-    def openai(self) -> str:
-        return {1: "stop", 2: "length", 3: "abort", 4: "error"}[self.value]
-
-
-# --------------------------------------------------------------------------- sampling
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SamplingParams:
-    """What to sample and when to stop; validated at the gateway and again in the engine."""
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    logit_bias: dict[int, float] | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
-    early_stopping: bool = False
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < 1e-5
-
-    def validate(self, vocab_size: int | None = None) -> SamplingParams:
-        """Raise ProtocolError naming the first bad parameter; return self when all is well."""
-        _check(1 <= self.n <= MAX_N, f"n must be between 1 and {MAX_N}, got {self.n}", "n")
-        _check(_finite(self.temperature) and 0.0 <= self.temperature <= 2.0,
-               f"temperature must be in [0, 2], got {self.temperature}", "temperature")
-        _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0,
-               f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        _check(self.top_k is None or self.top_k >= 1 or self.top_k == -1,
-               f"top_k must be -1 (disabled) or at least 1, got {self.top_k}", "top_k")
-        _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0,
-               f"min_p must be in [0, 1], got {self.min_p}", "min_p")
-        _check(self.seed is None or -(1 << 63) <= self.seed < (1 << 63), "seed out of range", "seed")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _check(_finite(value) and -2.0 <= value <= 2.0, f"{name} must be in [-2, 2], got {value}", name)
-        _check(_finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
-               f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}", "repetition_penalty")
-        _check(self.max_tokens is None or self.max_tokens >= 1,
-               f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
-        _check(self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}", "min_tokens")
-        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
-               "min_tokens must not exceed max_tokens", "min_tokens")
-        _check(len(self.stop) <= MAX_STOP_STRINGS and all(self.stop),
-               f"stop takes at most {MAX_STOP_STRINGS} non-empty strings", "stop")
-        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-               f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
-        ids = list(self.stop_token_ids) + list((self.logit_bias or {}).keys())
-        if vocab_size is not None:
-            _check(all(0 <= t < vocab_size for t in ids), "token id out of the vocabulary", "stop_token_ids")
-        for bias in (self.logit_bias or {}).values():
-            _check(_finite(bias) and -100.0 <= bias <= 100.0, "logit_bias values must be in [-100, 100]",
-                   "logit_bias")
-        _check(_finite(self.length_penalty), "length_penalty must be finite", "length_penalty")
-        _check(not self.use_beam_search or self.n >= 1, "beam search needs n >= 1", "n")
-        return self
-
-
-def _finite(x: float) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
-
-
-def _check(ok: bool, message: str, param: str) -> None:
-    if not ok:
-        raise ProtocolError(message, param)
 
 
 # --------------------------------------------------------------------------- pieces
@@ -213,13 +120,12 @@ class GenerateRequest(Message):
     echo: bool = False
     cache_salt: str | None = None
     arrival_time: float = 0.0
-    deadline: float | None = None
     trace: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineRequest(Message):
-    """tokenizer -> engine (and prefill -> decode engine): a tokenized request."""
+    """tokenizer -> engine: a tokenized request."""
 
     TAG: ClassVar[int] = 2
     request_id: str
@@ -229,13 +135,7 @@ class EngineRequest(Message):
     detok: DetokParams = field(default_factory=DetokParams)
     cache_salt: str | None = None
     arrival_time: float = 0.0
-    deadline: float | None = None
     trace: dict[str, str] = field(default_factory=dict)
-    # tokens the client already received from an engine that died: re-prefill and go on
-    delivered_token_ids: tuple[int, ...] = ()
-    # P/D: where the prefill engine left the KV blocks, and the token it sampled
-    kv_handle: str | None = None
-    first_token_id: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -249,8 +149,8 @@ class Abort(Message):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TokenDelta(Message):
-    """engine -> detok: the new tokens of one sequence (choice ``index``) of a request. On
-    admission the engine announces the request with a token-less delta of seq -1."""
+    """engine -> detok: the new tokens of one sequence (choice ``index``) of a request; every
+    choice ends with exactly one delta carrying its finish_reason."""
 
     TAG: ClassVar[int] = 4
     request_id: str
@@ -261,14 +161,23 @@ class TokenDelta(Message):
     cumulative_logprob: float | None = None
     finish_reason: int | None = None
     stop_reason: int | None = None  # the stop token id that ended it, if one did
-    engine_id: str = ""
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_choices: int = 1
-    # only on the announcement and each choice's first delta (seq 0): where to reply, how to detokenize
-    reply_to: str | None = None
-    detok: DetokParams | None = None
-    error: ErrorInfo | None = None
+    error: ErrorInfo | None = None  # the engine gave up on the whole request
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Admission(Message):
+    """engine -> detok: a request is admitted, by which engine, and where its text goes. Sent
+    before its first token, so that a detok shard fails the request at once if that engine dies."""
+
+    TAG: ClassVar[int] = 7
+    request_id: str
+    num_choices: int = 1
+    engine_id: str = ""
+    reply_to: str = ""
+    detok: DetokParams = field(default_factory=DetokParams)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -304,7 +213,8 @@ class Heartbeat(Message):
 
 
 MESSAGE_TYPES: dict[int, type[Message]] = {
-    cls.TAG: cls for cls in (GenerateRequest, EngineRequest, Abort, TokenDelta, RequestOutput, Heartbeat)
+    cls.TAG: cls for cls in (GenerateRequest, EngineRequest, Abort, TokenDelta, RequestOutput, Heartbeat,
+                          Admission)
 }
 
 
@@ -326,10 +236,6 @@ class StreamNames:
         return f"{self.prefix}:engine:in"
 
     @property
-    def decode_in(self) -> str:
-        return f"{self.prefix}:decode:in"
-
-    @property
     def engine_ctl(self) -> str:
         return f"{self.prefix}:engine:ctl"
 
@@ -338,9 +244,6 @@ class StreamNames:
 
     def gateway_out(self, gateway_id: str) -> str:
         return f"{self.prefix}:gateway:{gateway_id}:out"
-
-    def kv(self, request_id: str) -> str:
-        return f"{self.prefix}:kv:{request_id}"
 
     @property
     def heartbeat(self) -> str:
@@ -353,7 +256,6 @@ class StreamNames:
 
 GROUP_TOKENIZER = "tokenizer"
 GROUP_ENGINE = "engine"
-GROUP_DECODE = "decode"
 
 
 def detok_shard(request_id: str, num_shards: int) -> int:
@@ -365,10 +267,6 @@ def detok_shard(request_id: str, num_shards: int) -> int:
 
 
 # --------------------------------------------------------------------------- codec
-
-
-def encode(msg: Message) -> bytes:
-    return msg.to_wire()
 
 
 def decode(data: bytes) -> Message:

@@ -58,6 +58,15 @@ def test_streamed_completion_equals_the_unary_one(client, tiny_engine):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(client):
+    prompt = [(i * 37) % 900 + 5 for i in range(100)]  # token ids no other test sends
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details is None  # nothing cached yet
+    # every full 16-token block of the prompt but the last token's: (100 - 1) // 16 * 16
+    assert again.usage.prompt_tokens_details.cached_tokens == 96
+
+
 def test_token_id_prompts_and_echo(client, tiny_engine):
     ids = tiny_engine.tokenizer.encode(PROMPTS[1])
     expected = reference(tiny_engine, [ids], max_tokens=8)[0]

@@ -12,7 +12,7 @@ from detok_svc.processor import DetokProcessor
 from detok_svc.service import DetokService
 from detok_svc.stop import StopChecker
 from shared.config import BusConfig, DetokConfig
-from shared.protocol import (Abort, DetokParams, FinishReason, RequestOutput, StreamNames, TokenDelta,
+from shared.protocol import (Abort, Admission, DetokParams, FinishReason, RequestOutput, StreamNames, TokenDelta,
                              TokenLogprobs, decode)
 from shared.entries import payloads
 from shared.streams import Producer
@@ -80,17 +80,19 @@ def test_stop_checker_unit():
 
 
 def _deltas(tok, text, request_id="r1", *, n_per=1, index=0, params=None, num_choices=1, finish=True,
-            stop_reason=None):
+            stop_reason=None, reply_to=REPLY, admit=True):
+    """What an engine sends for one choice: the request's Admission (unless ``admit`` is off),
+    then its deltas."""
     ids = _ids(tok, text)
     chunks = [ids[i:i + n_per] for i in range(0, len(ids), n_per)]
-    out = []
+    out = [Admission(request_id=request_id, num_choices=num_choices, reply_to=reply_to,
+                     detok=params or DetokParams())] if admit else []
     for seq, chunk in enumerate(chunks):
         last = seq == len(chunks) - 1
         out.append(TokenDelta(request_id=request_id, seq=seq, index=index, new_token_ids=tuple(chunk),
                               finish_reason=FinishReason.LENGTH if (last and finish) else None,
                               stop_reason=stop_reason if last else None, num_prompt_tokens=3,
-                              num_choices=num_choices, reply_to=REPLY if seq == 0 else None,
-                              detok=(params or DetokParams()) if seq == 0 else None))
+                              num_choices=num_choices))
     return out
 
 
@@ -192,8 +194,8 @@ def test_logprob_token_strings(hf_tokenizer):
     processor = DetokProcessor(hf_tokenizer, StreamNames("x"))
     lps = tuple(TokenLogprobs(token_id=t, logprob=-0.5, rank=1, top_ids=(t, 0), top_logprobs=(-0.5, -3.0))
                 for t in ids)
-    delta = TokenDelta(request_id="r", seq=0, new_token_ids=tuple(ids), logprobs=lps, finish_reason=2,
-                       reply_to=REPLY, detok=DetokParams(logprobs=True))
+    delta = TokenDelta(request_id="r", seq=0, new_token_ids=tuple(ids), logprobs=lps, finish_reason=2)
+    assert processor.process("0-0", Admission(request_id="r", reply_to=REPLY, detok=DetokParams(logprobs=True))) == []
     (_, out), = processor.process("1-0", delta)
     assert [lp.token for lp in out.logprobs] == [strings.text(t) for t in ids]
     assert [lp.token_id for lp in out.logprobs] == ids
@@ -205,7 +207,7 @@ def test_logprob_token_strings(hf_tokenizer):
 
 
 def _service(redis_url, prefix, tokenizer):
-    config = DetokConfig(bus=BusConfig(redis_url=redis_url, prefix=prefix), shard=0, num_shards=1,
+    config = DetokConfig(bus=BusConfig(redis_url=redis_url, prefix=prefix), shard=0, num_detok_shards=1,
                          service_id="detok-0", block_ms=50)
     return DetokService(config, DetokProcessor(tokenizer, StreamNames(prefix)))
 
@@ -223,7 +225,7 @@ def test_service_acks_only_finished_requests_and_resumes_after_restart(redis_url
     names = StreamNames(prefix)
     reply = names.gateway_out("g")
     text = "The quick brown fox jumps over the lazy dog."
-    deltas = [dataclasses.replace(d, reply_to=reply if d.seq == 0 else None) for d in _deltas(hf_tokenizer, text)]
+    deltas = _deltas(hf_tokenizer, text, reply_to=reply)
     producer = Producer(redis_client)
     half = len(deltas) // 2
     for d in deltas[:half]:  # one entry per engine step
@@ -254,10 +256,8 @@ def test_an_entry_shared_by_two_requests_is_acked_when_both_have_finished(redis_
                                                                           hf_tokenizer):
     names = StreamNames(prefix)
     reply = names.gateway_out("g")
-    a = [dataclasses.replace(d, request_id="a", reply_to=reply if d.seq == 0 else None)
-         for d in _deltas(hf_tokenizer, "one two three")]
-    b = [dataclasses.replace(d, request_id="b", reply_to=reply if d.seq == 0 else None)
-         for d in _deltas(hf_tokenizer, "four five six seven eight nine ten")]
+    a = _deltas(hf_tokenizer, "one two three", "a", reply_to=reply)
+    b = _deltas(hf_tokenizer, "four five six seven eight nine ten", "b", reply_to=reply)
     assert len(a) < len(b)
     producer, service = Producer(redis_client, batch=True), _service(redis_url, prefix, hf_tokenizer)
     stream = names.detok_in(0)
@@ -279,12 +279,11 @@ def test_an_entry_shared_by_two_requests_is_acked_when_both_have_finished(redis_
 def test_service_fails_a_request_whose_delta_breaks_the_tokenizer(redis_url, redis_client, prefix, hf_tokenizer):
     names = StreamNames(prefix)
     reply = names.gateway_out("g")
-    good = TokenDelta(request_id="ok", seq=0, new_token_ids=tuple(_ids(hf_tokenizer, "Hello")), finish_reason=2,
-                      reply_to=reply, detok=DetokParams())
-    first = TokenDelta(request_id="bad", seq=0, new_token_ids=tuple(_ids(hf_tokenizer, "Hello")), reply_to=reply,
-                       detok=DetokParams())
+    good = TokenDelta(request_id="ok", seq=0, new_token_ids=tuple(_ids(hf_tokenizer, "Hello")), finish_reason=2)
+    first = TokenDelta(request_id="bad", seq=0, new_token_ids=tuple(_ids(hf_tokenizer, "Hello")))
     broken = TokenDelta(request_id="bad", seq=1, new_token_ids=(-1,))
-    Producer(redis_client).send_many((names.detok_in(0), d) for d in (first, broken, good))
+    admissions = [Admission(request_id=rid, reply_to=reply) for rid in ("bad", "ok")]
+    Producer(redis_client).send_many((names.detok_in(0), d) for d in (*admissions, first, broken, good))
     service = _service(redis_url, prefix, hf_tokenizer)
     while service.run_once(50):
         pass
@@ -323,7 +322,7 @@ def test_requests_of_a_dead_engine_fail_with_503(hf_tokenizer):
 
 def test_an_announced_request_of_a_dead_engine_fails_before_its_first_token(hf_tokenizer):
     processor = DetokProcessor(hf_tokenizer, StreamNames("x"))
-    announce = TokenDelta(request_id="a", seq=-1, engine_id="engine-0", reply_to=REPLY, detok=DetokParams())
+    announce = Admission(request_id="a", engine_id="engine-0", reply_to=REPLY)
     assert processor.process("a-0", announce) == []  # no text yet, but the shard knows the request
     assert set(processor.requests) == {"a"} and processor.take_ackable() == []
     out = processor.fail_engines({"engine-0"})
@@ -331,9 +330,15 @@ def test_an_announced_request_of_a_dead_engine_fails_before_its_first_token(hf_t
     assert processor.requests == {} and processor.take_ackable() == ["a-0"]
 
 
-def test_an_announcement_changes_no_output(hf_tokenizer):
+def test_a_redelivered_admission_changes_no_output(hf_tokenizer):
     text = "Hello world, 中文 and 🙂"
-    plain = _run(DetokProcessor(hf_tokenizer, StreamNames("x")), _deltas(hf_tokenizer, text))
-    announce = TokenDelta(request_id="r1", seq=-1, engine_id="engine-0", reply_to=REPLY, detok=DetokParams())
-    announced = _run(DetokProcessor(hf_tokenizer, StreamNames("x")), [announce, *_deltas(hf_tokenizer, text)])
-    assert announced[0] == plain[0] and "".join(o.text_delta for o in announced[0]) == text
+    messages = _deltas(hf_tokenizer, text)
+    plain = _run(DetokProcessor(hf_tokenizer, StreamNames("x")), messages)
+    again = _run(DetokProcessor(hf_tokenizer, StreamNames("x")), [messages[0], messages[0], *messages[1:]])
+    assert again[0] == plain[0] and "".join(o.text_delta for o in plain[0]) == text
+
+
+def test_deltas_of_a_request_never_admitted_are_dropped(hf_tokenizer):
+    processor = DetokProcessor(hf_tokenizer, StreamNames("x"))
+    outputs, _, acked = _run(processor, _deltas(hf_tokenizer, "Hello world", admit=False))
+    assert outputs == [] and processor.requests == {} and acked

@@ -17,12 +17,13 @@ from detok_svc.service import DetokService
 from engine_svc import EngineConfig, LLMEngine
 from engine_svc.service import EngineService
 from shared.config import BusConfig, DetokConfig, EngineServiceConfig, TokenizerConfig
-from shared.protocol import (Abort, ChatMessage, DetokParams, EngineRequest, FinishReason, GenerateRequest, SamplingParams,
-                             StreamNames, detok_shard)
+from shared.protocol import (Abort, Admission, ChatMessage, DetokParams, EngineRequest, FinishReason, GenerateRequest,
+                             SamplingParams, StreamNames, detok_shard)
 from shared.heartbeat import read_heartbeats
+from shared.models import load_tokenizer
 from shared.streams import Producer, StreamReader, connect
 from tokenizer_svc.prompts import PromptEncoder
-from tokenizer_svc.service import TokenizerService, load_tokenizer
+from tokenizer_svc.service import TokenizerService
 
 MAX_MODEL_LEN = 256
 NUM_SHARDS = 2
@@ -52,8 +53,8 @@ class Pipeline:
             EngineServiceConfig(bus=bus, num_detok_shards=NUM_SHARDS, service_id="engine-0", idle_block_ms=50,
                                 heartbeat_s=0.05),
             LLMEngine(_engine_config(model_dir)), client=connect(redis_url))
-        self.detoks = [DetokService(DetokConfig(bus=bus, shard=k, num_shards=NUM_SHARDS, service_id=f"detok-{k}",
-                                                block_ms=50, heartbeat_s=0.05),
+        self.detoks = [DetokService(DetokConfig(bus=bus, shard=k, num_detok_shards=NUM_SHARDS,
+                                                service_id=f"detok-{k}", block_ms=50, heartbeat_s=0.05),
                                     DetokProcessor(tokenizer, self.names), client=connect(redis_url))
                        for k in range(NUM_SHARDS)]
         self.reply_to = self.names.gateway_out("g0")
@@ -103,8 +104,6 @@ class Pipeline:
         stats = self.engine.engine.stats()
         if stats["num_free_blocks"] != stats["num_total_blocks"] or stats["num_requests"]:
             problems.append(f"engine: {stats}")
-        if self.engine.routes:
-            problems.append(f"engine routes: {list(self.engine.routes)}")
         for d in self.detoks:
             if d.processor.requests:
                 problems.append(f"detok {d.config.shard}: {list(d.processor.requests)}")
@@ -115,7 +114,7 @@ class Pipeline:
                 problems.append(f"{stream}/{group}: {pending} pending")
         beat = read_heartbeats(self.client, self.names.heartbeat).get("engine-0")
         if beat is None or beat.stats["num_free_blocks"] != beat.stats["num_total_blocks"] or \
-                beat.stats["num_routes"]:
+                beat.stats["num_requests"]:
             problems.append(f"engine heartbeat: {beat}")
         return problems
 
@@ -233,7 +232,7 @@ def test_abort_of_an_n3_request_finishes_every_choice(pipeline):
                               sampling=SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=200, ignore_eos=True))
     pipeline.submit([request])
     deadline = time.monotonic() + 30
-    while "n3" not in pipeline.engine.routes:  # admitted (an earlier abort would drop it unadmitted)
+    while not pipeline.engine.engine.has_request("n3"):  # admitted (an earlier abort would drop it unadmitted)
         assert time.monotonic() < deadline
         time.sleep(0.005)
     Producer(pipeline.client).send(pipeline.names.engine_ctl, Abort(request_ids=("n3",)))
@@ -264,10 +263,10 @@ def test_admission_announces_the_request_and_its_engine(redis_url, prefix, tiny_
                             engine, client=connect(redis_url))
     request = EngineRequest(request_id="ann", reply_to="g:out", prompt_token_ids=(1, 2, 3),
                             sampling=SamplingParams(n=2, max_tokens=4), detok=DetokParams(stop=("x",)))
-    ((stream, delta),) = service.admit(request)
+    ((stream, admission),) = service.admit(request)
     assert stream == StreamNames(prefix).detok_in(detok_shard("ann", NUM_SHARDS))
-    assert (delta.seq, delta.new_token_ids, delta.engine_id, delta.num_choices) == (-1, (), "engine-7", 2)
-    assert (delta.reply_to, delta.detok) == ("g:out", request.detok)
+    assert admission == Admission(request_id="ann", num_choices=2, engine_id="engine-7", reply_to="g:out",
+                                  detok=request.detok)
     assert service.admit(request) == []  # a re-delivery announces nothing again
     engine.abort_request(["ann"])
     engine.step()

@@ -47,7 +47,9 @@ def test_selection_rule_matches_hf_with_eos_on_a_small_vocab():
             while not search.done:
                 with torch.inference_mode():
                     rows = torch.stack([torch.log_softmax(model(torch.tensor([b])).logits[0, -1], -1) for b in beams])
-                beams = [beams[p] + [t] for p, t in search.step(rows)]
+                values, ids = rows.topk(search.num_candidates, dim=-1)
+                candidates = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+                beams = [beams[p] + [t] for p, t in search.step(candidates)]
             ours = [(h.token_ids, h.score) for h in search.best(k)]
             num_eos_endings += sum(h.ends_with_eos for h in search.best(k))
             assert_same_beams(hf_beams(model, prompt, k, 12, lp, es, 3), ours)

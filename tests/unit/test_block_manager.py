@@ -18,7 +18,7 @@ def make_request(tokens, request_id="r", salt=None) -> Request:
 def run_prefill(bm: BlockManager, request: Request) -> list:
     """Admit like the scheduler: prefix hits, then slots for the rest; mark it computed."""
     hits = bm.match_prefix(request)
-    assert bm.allocate_slots(request, request.num_tokens - len(hits) * bm.block_size, hits)
+    assert bm.allocate_slots(request, request.num_tokens - len(hits) * bm.block_size, hits, count_prefix_query=True)
     request.num_computed_tokens = request.num_tokens
     return hits
 
@@ -66,7 +66,7 @@ def test_full_prefix_hit_is_capped_at_prompt_minus_one():
     hits = run_prefill(bm, b)
     assert [h.block_id for h in hits] == [1, 2]  # 2 full blocks = 8 tokens <= 9 - 1
     assert b.block_table[:2] == [1, 2]
-    assert bm.num_cache_hits == 8
+    assert bm.make_prefix_cache_stats().hits == 8
     # a prompt that is exactly two full blocks: only one block may hit (8 - 1 = 7 tokens)
     bm.free(b)
     c = make_request(range(8), "c")

@@ -21,6 +21,9 @@ def run(model_dir, prompts, caching, max_tokens=16, **overrides):
     results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     stats = engine.stats()
     assert_engine_idle(engine)
+    # each prompt is a query once; hits are exactly the tokens the requests report as cached
+    assert stats["prefix_cache_queries"] == sum(len(p) for p in prompts)
+    assert stats["prefix_cache_hits"] == sum(r.num_cached_tokens for r in results)
     return [r.outputs[0].token_ids for r in results], stats
 
 

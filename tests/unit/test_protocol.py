@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from shared.protocol import (MAX_MESSAGE_BYTES, Abort, ChatMessage, DetokParams, EngineRequest, ErrorInfo,
+from shared.protocol import (MAX_MESSAGE_BYTES, Abort, Admission, ChatMessage, DetokParams, EngineRequest, ErrorInfo,
                              GenerateRequest, Heartbeat, ProtocolError, RequestOutput, SamplingParams, TextLogprobs,
                              TokenDelta, TokenLogprobs, Usage, decode)
 
@@ -15,15 +15,16 @@ FULL = [
                     messages=(ChatMessage(role="user", content="é", name="x"),), add_generation_prompt=False,
                     sampling=SamplingParams(n=2, temperature=0.5, top_k=3, seed=-7, stop=("a", "b"),
                                             logit_bias={5: -1.5}, use_beam_search=True),
-                    echo=True, cache_salt="s", arrival_time=1.5, deadline=9.0, trace={"traceparent": "00-x"}),
+                    echo=True, cache_salt="s", arrival_time=1.5, trace={"traceparent": "00-x"}),
     EngineRequest(request_id="r2", reply_to="ps:gateway:g:out", prompt_token_ids=tuple(range(300)),
-                  detok=DetokParams(stop=("\n",), logprobs=True), delivered_token_ids=(4,), first_token_id=0),
+                  detok=DetokParams(stop=("\n",), logprobs=True)),
     Abort(request_ids=("a", "b"), reason="stop"),
     TokenDelta(request_id="r3", seq=4, index=1, new_token_ids=(9, 10),
                logprobs=(TokenLogprobs(token_id=9, logprob=-0.25, rank=1, top_ids=(9, 3), top_logprobs=(-0.25, -2.0)),),
-               cumulative_logprob=-0.25, finish_reason=2, stop_reason=7, engine_id="e", num_prompt_tokens=12,
-               num_cached_tokens=8, num_choices=2, reply_to="ps:gateway:g:out", detok=DetokParams(),
-               error=ErrorInfo(message="m", param="p", code=503)),
+               cumulative_logprob=-0.25, finish_reason=2, stop_reason=7, num_prompt_tokens=12,
+               num_cached_tokens=8, num_choices=2, error=ErrorInfo(message="m", param="p", code=503)),
+    Admission(request_id="r5", num_choices=3, engine_id="e", reply_to="ps:gateway:g:out",
+              detok=DetokParams(stop=("x",), skip_special_tokens=False)),
     RequestOutput(request_id="r4", seq=1, text_delta="ü", token_ids=(1,), finish_reason=1, stop_reason="END",
                   logprobs=(TextLogprobs(token="a", token_id=1, logprob=-1.0, bytes=(97,), top_tokens=("a",),
                                          top_logprobs=(-1.0,)),),
@@ -41,7 +42,7 @@ def test_fields_holding_their_default_stay_off_the_wire():
     body = msgpack.unpackb(TokenDelta(request_id="r", seq=3, new_token_ids=(5,)).to_wire())
     assert body == {"t": 4, "request_id": "r", "seq": 3, "new_token_ids": [5]}
     decoded = decode(TokenDelta(request_id="r", seq=3).to_wire())
-    assert decoded.detok is None and decoded.new_token_ids == () and decoded.num_choices == 1
+    assert decoded.error is None and decoded.new_token_ids == () and decoded.num_choices == 1
 
 
 def _wire(tag: int, **fields) -> bytes:
@@ -55,7 +56,7 @@ def _wire(tag: int, **fields) -> bytes:
     (_wire(4, request_id="r", seq=1, new_token_ids=5), "TokenDelta.new_token_ids: expected an array"),
     (_wire(4, request_id="r", seq=1, logprobs=[{"token_id": 1, "logprob": "x", "rank": 1}]),
      "TokenDelta.logprobs[].logprob: expected a number"),
-    (_wire(4, request_id="r", seq=1, detok={"stop": ["a", 3]}), "TokenDelta.detok.stop: expected strings"),
+    (_wire(7, request_id="r", detok={"stop": ["a", 3]}), "Admission.detok.stop: expected strings"),
     (_wire(4, request_id="r", seq=1, bogus=1), "unknown fields ['bogus']"),
     (_wire(4, request_id="r"), "TokenDelta: "),  # seq is required
     (_wire(5, request_id="r", stop_reason=1.5), "no type matches"),

@@ -1,12 +1,14 @@
 """Sampler against references: HF's logits processors, hand-computed masks, seeded draws."""
 
+from types import SimpleNamespace
+
 import torch
 from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from engine_svc.request import Request, make_generator
 from engine_svc.sampler import Sampler, _min_p, _top_k_top_p
-from engine_svc.scheduler_output import SchedulerOutput
+from engine_svc.scheduler_output import SampleRow
 from shared.protocol import SamplingParams
 
 VOCAB = 64
@@ -22,8 +24,19 @@ def make_requests(params_list, outputs=None):
     return reqs
 
 
-def plan_for(requests):
-    return SchedulerOutput(sample_rows=list(range(len(requests))), sample_requests=requests)
+def rows_for(requests):
+    """The sample rows a scheduler would plan for these sequences, one logits row each."""
+    return [SampleRow(r.key, i, r.params, r.num_prompt_tokens,
+                      history=tuple(r.token_ids) if r.params.uses_history else (),
+                      ban_stop=r.num_output_tokens < r.params.min_tokens, generator=r.generator)
+            for i, r in enumerate(requests)]
+
+
+def sample(logits, requests, sampler=None):
+    """Tokens and logprobs in the requests' order (the sampler answers by sequence key)."""
+    out = (sampler or Sampler())(logits, rows_for(requests))
+    keys = [r.key for r in requests]
+    return SimpleNamespace(token_ids=[out.token_ids[k] for k in keys], logprobs=[out.logprobs.get(k) for k in keys])
 
 
 def finite_set(row):
@@ -34,7 +47,7 @@ def test_greedy_is_argmax_and_logprobs_are_raw():
     torch.manual_seed(0)
     logits = torch.randn(3, VOCAB)
     reqs = make_requests([SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=1.5)] * 3)
-    out = Sampler()(logits, plan_for(reqs))
+    out = sample(logits, reqs)
     ref = RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([[1, 2, 3, 3]] * 3), logits.clone())
     assert out.token_ids == ref.argmax(-1).tolist()
     raw_lp = torch.log_softmax(logits, -1)
@@ -62,7 +75,7 @@ def test_frequency_presence_bias_and_min_tokens():
     params = SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.25,
                             logit_bias={9: 3.0}, min_tokens=5, stop_token_ids=(9,))
     reqs = make_requests([params, SamplingParams(temperature=0.0, logit_bias={9: 3.0})], outputs={0: [7, 7, 8]})
-    processed = Sampler(eos_token_ids=[0])._process(logits, reqs)
+    processed = Sampler(eos_token_ids=[0])._process(logits, rows_for(reqs))
     assert processed[0, 7].item() == -0.5 * 2 - 0.25
     assert processed[0, 8].item() == -0.5 - 0.25
     assert processed[0, 9].item() == float("-inf") and processed[0, 0].item() == float("-inf")  # min_tokens
@@ -73,9 +86,9 @@ def test_seeded_rows_ignore_the_batch():
     torch.manual_seed(2)
     logits = torch.randn(5, VOCAB)
     seeded = SamplingParams(temperature=0.8, seed=42)
-    alone = Sampler()(logits[2:3], plan_for(make_requests([seeded]))).token_ids[0]
+    alone = sample(logits[2:3], make_requests([seeded])).token_ids[0]
     batch = make_requests([SamplingParams(temperature=1.0)] * 2 + [seeded] + [SamplingParams(seed=3)] * 2)
-    assert Sampler()(logits, plan_for(batch)).token_ids[2] == alone
+    assert sample(logits, batch).token_ids[2] == alone
 
 
 def test_sampling_distribution_matches_softmax():
@@ -83,7 +96,7 @@ def test_sampling_distribution_matches_softmax():
     req = make_requests([SamplingParams(temperature=1.0, seed=0)])[0]
     counts = torch.zeros(4)
     for _ in range(4000):
-        counts[Sampler()(logits, plan_for([req])).token_ids[0]] += 1
+        counts[sample(logits, [req]).token_ids[0]] += 1
     expected = logits.softmax(-1)[0] * 4000
     chi2 = ((counts - expected) ** 2 / expected).sum().item()
     assert chi2 < 16.3  # chi-square, 3 degrees of freedom, p = 0.001

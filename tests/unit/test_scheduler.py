@@ -2,8 +2,9 @@
 
 from engine_svc.block_manager import BlockManager
 from engine_svc.config import EngineConfig
-from engine_svc.request import Request
-from engine_svc.scheduler import SampledTokens, Scheduler
+from engine_svc.request import Request, RequestStatus
+from engine_svc.scheduler import Scheduler
+from engine_svc.scheduler_output import SamplerOutput
 from shared.protocol import FinishReason, SamplingParams
 
 
@@ -13,8 +14,9 @@ def make_scheduler(num_blocks=16, block_size=4, **overrides) -> Scheduler:
     return Scheduler(config, bm, max_model_len=1024, eos_token_ids=[0])
 
 
-def add(scheduler, request_id, num_prompt, **params) -> Request:
-    request = Request(request_id, list(range(1, num_prompt + 1)), SamplingParams(**{"temperature": 0.0, **params}))
+def add(scheduler, request_id, num_prompt, first_token=1, **params) -> Request:
+    request = Request(request_id, list(range(first_token, first_token + num_prompt)),
+                      SamplingParams(**{"temperature": 0.0, **params}))
     scheduler.add(request)
     return request
 
@@ -22,7 +24,7 @@ def add(scheduler, request_id, num_prompt, **params) -> Request:
 def step(scheduler, token=7):
     """One step with a fake sampler that always answers `token`."""
     plan = scheduler.schedule()
-    sampled = SampledTokens([token] * len(plan.sample_requests), [None] * len(plan.sample_requests))
+    sampled = SamplerOutput({row.key: token for row in plan.sampling})
     return plan, scheduler.update(plan, sampled)
 
 
@@ -108,7 +110,7 @@ def test_n_forks_share_prompt_blocks():
     s = make_scheduler(num_blocks=32)
     add(s, "p", 10, n=3, max_tokens=3, temperature=1.0, seed=1)
     plan, deltas = step(s)
-    assert len(plan.chunks) == 1 and plan.sample_rows == [0, 0, 0]
+    assert len(plan.chunks) == 1 and [row.logits_row for row in plan.sampling] == [0, 0, 0]
     assert sorted(d.index for d in deltas) == [0, 1, 2]
     family = s.requests["p"]
     tables = [r.block_table for r in family]
@@ -120,3 +122,33 @@ def test_n_forks_share_prompt_blocks():
     while s.has_work():
         step(s)
     assert s.block_manager.num_free_blocks == 31
+
+
+def test_prefix_cache_counters_are_exact_through_retries_and_preemption():
+    """queries = prompt tokens of first admissions, hits = tokens served from the cache: a request
+    retried at the head of the queue, or re-admitted after a preemption, is not counted again."""
+    s = make_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=64)  # 7 usable blocks
+    a = add(s, "a", 20, max_tokens=4, ignore_eos=True)  # 24 tokens: 6 blocks
+    b = add(s, "b", 12, first_token=100, max_tokens=2, ignore_eos=True)  # 3 blocks: waits while a runs
+    retries = 0
+    while not a.is_finished:
+        step(s)
+        retries += b.status == RequestStatus.WAITING
+    assert retries >= 3  # b was matched against the cache on every one of these steps
+    while s.has_work():
+        step(s)
+    stats = s.block_manager.make_prefix_cache_stats()
+    assert (stats.queries, stats.hits) == (20 + 12, 0)
+    c = add(s, "c", 20, max_tokens=1)  # a's prompt again: its first blocks are still cached
+    while s.has_work():
+        step(s)
+    stats = s.block_manager.make_prefix_cache_stats()
+    assert c.num_cached_tokens > 0 and c.num_cached_tokens % 4 == 0
+    assert (stats.queries, stats.hits) == (20 + 12 + 20, c.num_cached_tokens)
+
+    p = make_scheduler(num_blocks=5, block_size=4, enable_prefix_caching=False)  # preemption, as above
+    x, y = add(p, "x", 4, max_tokens=8, ignore_eos=True), add(p, "y", 4, max_tokens=8, ignore_eos=True)
+    while p.has_work():
+        step(p)
+    assert p.num_preemptions >= 1 and x.is_finished and y.is_finished
+    assert p.block_manager.make_prefix_cache_stats().queries == 8  # y's re-admission is not a query
