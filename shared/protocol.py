@@ -120,7 +120,6 @@ class GenerateRequest(Message):
     echo: bool = False
     cache_salt: str | None = None
     arrival_time: float = 0.0
-    trace: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -135,7 +134,6 @@ class EngineRequest(Message):
     detok: DetokParams = field(default_factory=DetokParams)
     cache_salt: str | None = None
     arrival_time: float = 0.0
-    trace: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

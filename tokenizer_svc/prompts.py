@@ -99,6 +99,5 @@ class PromptEncoder:
                             min_tokens=s.min_tokens)
         out.append((self.names.engine_in, EngineRequest(
             request_id=r.request_id, reply_to=r.reply_to, prompt_token_ids=tuple(w.ids), sampling=s,
-            detok=detok, cache_salt=r.cache_salt, arrival_time=r.arrival_time,
-            trace=r.trace)))
+            detok=detok, cache_salt=r.cache_salt, arrival_time=r.arrival_time)))
         return out

@@ -15,7 +15,7 @@ FULL = [
                     messages=(ChatMessage(role="user", content="é", name="x"),), add_generation_prompt=False,
                     sampling=SamplingParams(n=2, temperature=0.5, top_k=3, seed=-7, stop=("a", "b"),
                                             logit_bias={5: -1.5}, use_beam_search=True),
-                    echo=True, cache_salt="s", arrival_time=1.5, trace={"traceparent": "00-x"}),
+                    echo=True, cache_salt="s", arrival_time=1.5),
     EngineRequest(request_id="r2", reply_to="ps:gateway:g:out", prompt_token_ids=tuple(range(300)),
                   detok=DetokParams(stop=("\n",), logprobs=True)),
     Abort(request_ids=("a", "b"), reason="stop"),
