@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from shared.config import add_engine_args, engine_argv
 from shared.placement import MODES, bus_cpus, pin
-from shared.redis_server import RedisServer, _die_with_parent
+from shared.redis_server import RedisServer, die_with_parent
 
 SERVICES = {"gateway": "gateway", "tokenizer": "tokenizer_svc", "engine": "engine_svc", "detok": "detok_svc"}
 STOP_ORDER = ("gateway", "tokenizer", "engine", "detok")  # stop intake first, output last
@@ -45,7 +45,7 @@ class Child:
                                      preexec_fn=self._prepare)
 
     def _prepare(self) -> None:  # in the child, after setpgid, before exec
-        _die_with_parent()
+        die_with_parent()
         pin(0, self.cpus)
         if self.nice:
             os.nice(self.nice)

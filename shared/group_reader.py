@@ -15,7 +15,7 @@ import redis
 from shared import entries
 from shared.dead_letters import dead_letter
 from shared.protocol import Message, ProtocolError, decode
-from shared.streams import FIELD, Envelope, Producer, _check_block, _id, blocking_client
+from shared.streams import FIELD, Envelope, Producer, blocking_client, check_block, decode_id
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class GroupReader:
     # ----------------------------------------------------------------- reading
     def read(self, count: int = 64, block_ms: int | None = None) -> list[Envelope]:
         """Up to ``count`` valid messages: own pending, then claimed, then new (blocking up to block_ms)."""
-        _check_block(block_ms)
+        check_block(block_ms)
         try:
             if not self._group_ready:
                 self.ensure_group()
@@ -99,7 +99,7 @@ class GroupReader:
         if not entries:
             self._draining = False
             return None
-        self._pending_cursor = _id(entries[-1][0])
+        self._pending_cursor = decode_id(entries[-1][0])
         return self._accept(entries)
 
     def _maybe_claim(self, count: int) -> list[Envelope]:
@@ -108,7 +108,7 @@ class GroupReader:
         resp = self.client.xautoclaim(self.stream, self.group, self.consumer, self.claim_idle_ms,
                                       start_id=self._claim_cursor, count=count)
         # Redis 6.2 answers [cursor, entries]; 7.x adds the ids of deleted entries as a third item
-        self._claim_cursor = _id(resp[0])
+        self._claim_cursor = decode_id(resp[0])
         entries, deleted = resp[1], (resp[2] if len(resp) > 2 else [])
         if deleted:
             self.client.xack(self.stream, self.group, *deleted)
@@ -122,7 +122,7 @@ class GroupReader:
 
     def _ack_vanished(self) -> None:
         resp = self.client.xreadgroup(self.group, self.consumer, {self.stream: "0"}, count=10_000)
-        gone = [_id(entry_id) for entry_id, fields in (resp[0][1] if resp else []) if not fields]
+        gone = [decode_id(entry_id) for entry_id, fields in (resp[0][1] if resp else []) if not fields]
         if gone:
             self.client.xack(self.stream, self.group, *gone)
 
@@ -133,7 +133,7 @@ class GroupReader:
         for entry_id, fields in raw_entries:
             if entry_id is None:
                 continue
-            entry_id = _id(entry_id)
+            entry_id = decode_id(entry_id)
             if fields is None or fields == {}:  # trimmed while pending: nothing left to do
                 refused.append(entry_id)
                 continue

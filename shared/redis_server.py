@@ -45,8 +45,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: the server gets SIGTERM when the process that started it dies (Linux)."""
+def die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM when the process that started it dies (Linux): the
+    embedded redis-server, and every service `pagedserve serve` starts."""
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -104,7 +105,7 @@ class RedisServer:
         raise RuntimeError(f"redis-server ({binary}) did not answer PING")
 
     def _prepare(self) -> None:  # in the child, before exec
-        _die_with_parent()
+        die_with_parent()
         pin(0, self.cpus)
 
     def _wait_ready(self) -> bool:

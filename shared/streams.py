@@ -36,11 +36,13 @@ class Envelope:
     msg: Message
 
 
-def _id(raw: bytes | str) -> str:
+def decode_id(raw: bytes | str) -> str:
+    """A stream entry id as Redis returns it (bytes, or str on a decoding client) as str."""
     return raw.decode() if isinstance(raw, bytes) else raw
 
 
-def _check_block(block_ms: int | None) -> int | None:
+def check_block(block_ms: int | None) -> int | None:
+    """``block_ms`` if it is a valid XREAD/XREADGROUP block time (None: poll)."""
     if block_ms is not None and block_ms <= 0:
         raise ValueError("block_ms must be None (poll) or positive; BLOCK 0 would wait forever")
     return block_ms
@@ -76,12 +78,6 @@ def connect(redis_url: str, **kwargs) -> redis.Redis:
     return redis.Redis.from_url(redis_url, decode_responses=False, **kwargs)
 
 
-def async_connect(redis_url: str, **kwargs) -> aioredis.Redis:
-    kwargs.setdefault("socket_timeout", 10)
-    kwargs.setdefault("socket_connect_timeout", 5)
-    return aioredis.Redis.from_url(redis_url, decode_responses=False, **kwargs)
-
-
 # --------------------------------------------------------------------------- producers
 
 
@@ -98,7 +94,7 @@ class Producer:
         self.per_entry = per_entry
 
     def send(self, stream: str, msg: Message) -> str:
-        return _id(self.client.xadd(stream, {FIELD: msg.to_wire()}, maxlen=self.maxlen, approximate=True))
+        return decode_id(self.client.xadd(stream, {FIELD: msg.to_wire()}, maxlen=self.maxlen, approximate=True))
 
     def send_many(self, items: Iterable[tuple[str, Message]]) -> list[str]:
         """The ids of the entries written (batched: one per stream and per_entry messages)."""
@@ -106,15 +102,15 @@ class Producer:
         if not packed:
             return []
         if len(packed) == 1:
-            return [_id(self.client.xadd(packed[0][0], packed[0][1], maxlen=self.maxlen, approximate=True))]
+            return [decode_id(self.client.xadd(packed[0][0], packed[0][1], maxlen=self.maxlen, approximate=True))]
         pipe = self.client.pipeline(transaction=False)
         for stream, fields in packed:
             pipe.xadd(stream, fields, maxlen=self.maxlen, approximate=True)
-        return [_id(x) for x in pipe.execute()]
+        return [decode_id(x) for x in pipe.execute()]
 
     def send_raw(self, stream: str, fields: dict) -> str:
         """XADD of arbitrary fields (dead letters keep the refused bytes as they came)."""
-        return _id(self.client.xadd(stream, fields, maxlen=self.maxlen, approximate=True))
+        return decode_id(self.client.xadd(stream, fields, maxlen=self.maxlen, approximate=True))
 
 
 class AsyncProducer:
@@ -126,7 +122,7 @@ class AsyncProducer:
         self.batch = batch
 
     async def send(self, stream: str, msg: Message) -> str:
-        return _id(await self.client.xadd(stream, {FIELD: msg.to_wire()}, maxlen=self.maxlen, approximate=True))
+        return decode_id(await self.client.xadd(stream, {FIELD: msg.to_wire()}, maxlen=self.maxlen, approximate=True))
 
     async def send_many(self, items: Iterable[tuple[str, Message]]) -> list[str]:
         packed = entries.pack(items, self.batch)
@@ -135,7 +131,7 @@ class AsyncProducer:
         pipe = self.client.pipeline(transaction=False)
         for stream, fields in packed:
             pipe.xadd(stream, fields, maxlen=self.maxlen, approximate=True)
-        return [_id(x) for x in await pipe.execute()]
+        return [decode_id(x) for x in await pipe.execute()]
 
 
 def _decode_entry(stream: str, entry_id: str, fields: dict | None) -> list[Envelope]:
@@ -158,7 +154,7 @@ def _decode_entry(stream: str, entry_id: str, fields: dict | None) -> list[Envel
 
 
 def _start_id(last_id: bytes | str | None) -> str:
-    return _id(last_id) if last_id else "0-0"
+    return decode_id(last_id) if last_id else "0-0"
 
 
 class StreamReader:
@@ -180,7 +176,7 @@ class StreamReader:
             return "0-0"
 
     def read(self, count: int = 256, block_ms: int | None = None) -> list[Envelope]:
-        _check_block(block_ms)
+        check_block(block_ms)
         try:
             resp = self.blocking.xread({self.stream: self.last_id}, count=count, block=block_ms)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -192,7 +188,7 @@ class StreamReader:
     def _accept(self, raw_entries: list) -> list[Envelope]:
         out = []
         for entry_id, fields in raw_entries:
-            self.last_id = _id(entry_id)
+            self.last_id = decode_id(entry_id)
             out += _decode_entry(self.stream, self.last_id, fields)
         return out
 
@@ -219,12 +215,12 @@ class AsyncStreamReader:
             self.last_id = "0-0"
 
     async def read(self, count: int = 256, block_ms: int | None = None) -> list[Envelope]:
-        _check_block(block_ms)
+        check_block(block_ms)
         await self.resolve_start()
         resp = await self.blocking.xread({self.stream: self.last_id}, count=count, block=block_ms)
         out = []
         for entry_id, fields in (resp[0][1] if resp else []):
-            self.last_id = _id(entry_id)
+            self.last_id = decode_id(entry_id)
             out += _decode_entry(self.stream, self.last_id, fields)
         return out
 

@@ -1,56 +1,18 @@
-"""Tracing (OpenTelemetry) and metrics (Prometheus) with vLLM's metric names under `pagedserve:`.
+"""Metrics (Prometheus) with vLLM's metric names under `pagedserve:`.
 
-Tracing: ``setup_tracing()`` installs no exporter unless asked, so spans cost almost nothing;
-trace context crosses the bus inside each message's ``trace`` dict (W3C traceparent) through
-``inject()``/``extract()``. Metrics: ``Metrics`` owns its own ``CollectorRegistry`` (no
-process-global state), so a test or a second gateway in one process gets its own set.
+``Metrics`` owns its own ``CollectorRegistry`` (no process-global state), so a test or a second
+gateway in one process gets its own set.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Mapping
 
-from opentelemetry import context as otel_context
-from opentelemetry import trace
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the gateway)
 
-log = logging.getLogger(__name__)
 PREFIX = "pagedserve:"
-_PROPAGATOR = TraceContextTextMapPropagator()
 
-
-# --------------------------------------------------------------------------- tracing
-
-
-def setup_tracing(service_name: str, exporter: SpanExporter | str | None = None) -> trace.Tracer:
-    """A tracer for ``service_name``. exporter: None (spans are dropped), "console", or an exporter."""
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-    if exporter == "console":
-        exporter = ConsoleSpanExporter()
-    if exporter is not None:
-        provider.add_span_processor(BatchSpanProcessor(exporter))
-    return provider.get_tracer("pagedserve")
-
-
-def inject(ctx: otel_context.Context | None = None) -> dict[str, str]:
-    """The current (or given) span context as a message's ``trace`` dict."""
-    carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier, context=ctx)
-    return carrier
-
-
-def extract(carrier: Mapping[str, str] | None) -> otel_context.Context:
-    """A context whose parent is the span that sent the message (empty when it carried none)."""
-    return _PROPAGATOR.extract(dict(carrier or {}))
-
-
-# --------------------------------------------------------------------------- metrics
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
