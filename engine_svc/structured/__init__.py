@@ -1,9 +1,25 @@
 """Structured outputs in the engine: grammars built from constraints (`grammar`), compiled and cached
-per tokenizer (`cache`), and followed token by token per sequence (`matcher`)."""
+per tokenizer (`cache`), and followed token by token per sequence (`matcher`).
 
-from engine_svc.structured.cache import GrammarCache, make_tokenizer_info
-from engine_svc.structured.grammar import build_grammar, choice_ebnf, validate_constraint
-from engine_svc.structured.matcher import Matcher, allocate_bitmask, apply_bitmask
+The names below load on first use (PEP 562), so importing a sibling module that needs none of them
+does not import xgrammar, and with it torch.
+"""
 
-__all__ = ["GrammarCache", "Matcher", "allocate_bitmask", "apply_bitmask", "build_grammar", "choice_ebnf",
-           "make_tokenizer_info", "validate_constraint"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "GrammarCache": "cache", "make_tokenizer_info": "cache",
+    "build_grammar": "grammar", "choice_ebnf": "grammar", "validate_constraint": "grammar",
+    "Matcher": "matcher", "allocate_bitmask": "matcher", "apply_bitmask": "matcher",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -354,3 +354,12 @@ def test_apply_bitmask_forbids_a_padded_logits_tail(cache):
     logits = torch.zeros(2, VOCAB_SIZE + 32)
     apply_bitmask(logits, bitmask, [0])
     assert torch.isinf(logits[0, VOCAB_SIZE:]).all() and torch.equal(logits[1], torch.zeros(VOCAB_SIZE + 32))
+
+
+def test_the_package_loads_xgrammar_only_when_asked():
+    import subprocess
+    import sys
+
+    code = ("import sys, engine_svc.structured as s; assert 'xgrammar' not in sys.modules; "
+            "s.Matcher; assert 'xgrammar' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
