@@ -12,6 +12,7 @@ from engine_svc.config import EngineConfig
 from engine_svc.request import Request
 from engine_svc.sampler import Sampler
 from engine_svc.scheduler import Scheduler
+from engine_svc.structured.manager import GrammarManager
 from shared.protocol import Admission, ErrorInfo, FinishReason, ProtocolError, SamplingParams, TokenDelta, TokenLogprobs
 
 
@@ -52,8 +53,9 @@ class LLMEngine:
         self.max_model_len = runner.max_model_len
         self.vocab_size = runner.vocab_size
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size, config.enable_prefix_caching)
+        self.grammars = GrammarManager(lambda: self.tokenizer, self.vocab_size, runner.eos_token_ids)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, runner.eos_token_ids,
-                                   generator_device=runner.device)
+                                   generator_device=runner.device, grammars=self.grammars)
         self.sampler = Sampler(runner.eos_token_ids)
         self._tokenizer = None
         self._next_id = 0

@@ -17,6 +17,7 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1
     PREEMPTED = 2
     FINISHED = 3
+    WAITING_FOR_GRAMMAR = 4  # queued, its structured-output grammar still compiling
 
 
 @dataclass(eq=False, slots=True)
@@ -48,6 +49,7 @@ class Request:
     cumulative_logprob: float = 0.0
     num_children_pending: int = 0  # n - 1 siblings still to fork when the prompt is done
     beam: Any = None  # the BeamGroup this sequence is a beam of (use_beam_search)
+    matcher: Any = None  # the grammar state of a structured-output sequence (structured.Matcher)
     num_deltas_sent: int = 0
     pending_token_ids: list[int] = field(default_factory=list)  # sampled, not yet reported
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)

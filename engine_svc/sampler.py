@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -39,29 +40,33 @@ class Sampler:
         logprobs = self._logprobs(raw, token_ids, requests)
         return SamplerOutput(dict(zip(keys, token_ids.tolist())),
                              {k: lp for k, lp in zip(keys, logprobs) if lp is not None},
-                             self._beam_candidates(raw, requests))
+                             self._beam_candidates(logits, requests))
 
     @staticmethod
     def _beam_candidates(raw: torch.Tensor, requests: list[SampleRow]) -> dict:
-        """Beam search chooses tokens itself, from the best raw log_softmax entries of each beam:
-        the search's top K over all beams lies within each beam's own top K."""
+        """Beam search chooses tokens itself, from the best log_softmax entries of each beam's
+        processed logits (as HF's beam search): the search's top K over all beams lies within
+        each beam's own top K."""
         beams = [i for i, r in enumerate(requests) if r.beam_candidates]
         if not beams:
             return {}
         k = max(requests[i].beam_candidates for i in beams)
         rows = torch.log_softmax(raw[torch.tensor(beams, device=raw.device)].float(), dim=-1)
         values, ids = rows.topk(min(k, rows.shape[1]), dim=-1)
-        return {requests[i].key: list(zip(ids_row, values_row))[:requests[i].beam_candidates]
-                for i, ids_row, values_row in zip(beams, ids.tolist(), values.tolist())}
+        return {requests[i].key: [(t, v) for t, v in zip(ids_row, values_row) if v > -math.inf]  # not masked out
+                [:requests[i].beam_candidates] for i, ids_row, values_row in zip(beams, ids.tolist(), values.tolist())}
 
     # ------------------------------------------------------------------ processors
     def _process(self, logits: torch.Tensor, requests: list[SampleRow]) -> torch.Tensor:
+        constrained = [i for i, r in enumerate(requests) if r.matcher is not None]
         biased = [i for i, r in enumerate(requests) if r.params.logit_bias]
         blocked = [i for i, r in enumerate(requests) if r.ban_stop]
-        penalized = [i for i, r in enumerate(requests) if _has_penalty(r)]
-        if not (biased or blocked or penalized):
+        penalized = [i for i, r in enumerate(requests) if r.params.uses_history]
+        if not (constrained or biased or blocked or penalized):
             return logits
         logits = logits.clone()
+        if constrained:  # the grammar first: penalties and sampling see only what it allows
+            _apply_grammars(logits, requests, constrained)
         for i in biased:
             bias = requests[i].params.logit_bias
             ids = torch.tensor(list(bias.keys()), device=logits.device)
@@ -158,9 +163,12 @@ class Sampler:
         return out
 
 
-def _has_penalty(request: SampleRow) -> bool:
-    p = request.params
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+def _apply_grammars(logits: torch.Tensor, requests: list[SampleRow], rows: list[int]) -> None:
+    from engine_svc.structured.matcher import allocate_bitmask, apply_bitmask
+
+    bitmask = allocate_bitmask(logits.shape[0], logits.shape[1])
+    masked = [i for i in rows if requests[i].matcher.fill_bitmask(bitmask, i)]  # False: all allowed
+    apply_bitmask(logits, bitmask, masked)
 
 
 def _min_p(logits: torch.Tensor, requests: list[SampleRow]) -> torch.Tensor:

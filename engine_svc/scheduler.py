@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Iterable
 
@@ -10,7 +11,7 @@ from engine_svc.block_manager import BlockManager
 from engine_svc.config import EngineConfig
 from engine_svc.request import Request, RequestStatus, make_generator
 from engine_svc.scheduler_output import SampleRow, ScheduledChunk, SamplerOutput, SchedulerOutput, SeqKey
-from shared.protocol import FinishReason, TokenDelta
+from shared.protocol import ErrorInfo, FinishReason, ProtocolError, TokenDelta
 
 
 class Scheduler:
@@ -24,12 +25,13 @@ class Scheduler:
     """
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
-                 eos_token_ids: Iterable[int] = (), generator_device: str = "cpu"):
+                 eos_token_ids: Iterable[int] = (), generator_device: str = "cpu", grammars=None):
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.generator_device = generator_device  # where seeded sequences' torch.Generators live
+        self.grammars = grammars  # a structured.GrammarManager: compiles constraints, starts matchers
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, list[Request]] = {}
@@ -50,12 +52,17 @@ class Scheduler:
             request.beam = BeamGroup(search, [request], {})
         else:
             request.num_children_pending = params.n - 1
+        if params.structured_outputs is not None:
+            self.grammars.submit(params.structured_outputs)  # compiles while the request waits
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.waiting.append(request)
         self.requests[request.request_id] = [request]
 
-    def abort(self, request_ids: Iterable[str], reason: FinishReason = FinishReason.ABORT) -> None:
+    def abort(self, request_ids: Iterable[str], reason: FinishReason = FinishReason.ABORT,
+              error: ErrorInfo | None = None) -> None:
         """Free the sequences now; the final delta of every unfinished choice (forked or not yet)
         leaves with the next step, or with take_aborted()."""
+        num_before = len(self._aborted)
         for request_id in request_ids:
             family = self.requests.pop(request_id, None)
             if family is None:
@@ -75,6 +82,8 @@ class Scheduler:
             n = first.params.n
             unstarted = range(n) if first.beam is not None else range(n - first.num_children_pending, n)
             self._aborted += [self._final(first, index, reason) for index in unstarted]
+        if error is not None:
+            self._aborted[num_before:] = [dataclasses.replace(d, error=error) for d in self._aborted[num_before:]]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._aborted)
@@ -114,8 +123,13 @@ class Scheduler:
     def _schedule_waiting(self, plan: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
         forked: list[Request] = []
+        compiling: list[Request] = []  # skipped, not blocking: they keep their place in the queue
         while self.waiting and budget > 0:
             request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR and not self._grammar_ready(request):
+                if self.waiting and self.waiting[0] is request:  # still compiling (not failed)
+                    compiling.append(self.waiting.popleft())
+                continue
             num_seqs = request.params.n if request.status == RequestStatus.WAITING else 1
             if len(self.running) + len(forked) + num_seqs > self.config.max_num_seqs:
                 break
@@ -135,7 +149,21 @@ class Scheduler:
             self.running.append(request)
             forked += self._add_chunk(plan, request, num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
         self.running += forked
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Start the request's matcher once its grammar is compiled; a grammar that does not
+        compile fails its request alone (a 400 naming the parameter)."""
+        try:
+            request.matcher = self.grammars.start(request.params.structured_outputs)
+        except ProtocolError as exc:
+            self.abort([request.request_id], FinishReason.ERROR, ErrorInfo(message=exc.message, param=exc.param))
+            return False
+        if request.matcher is None:
+            return False
+        request.status = RequestStatus.WAITING
+        return True
 
     def _add_chunk(self, plan: SchedulerOutput, request: Request, num_new: int) -> list[Request]:
         start = request.num_computed_tokens
@@ -160,7 +188,7 @@ class Scheduler:
                          history=tuple(request.token_ids) if params.uses_history else (),
                          ban_stop=request.num_output_tokens < params.min_tokens,
                          beam_candidates=beam.search.num_candidates if beam is not None else 0,
-                         generator=request.generator)
+                         generator=request.generator, matcher=request.matcher)
 
     def _fork_children(self, parent: Request, num_computed: int) -> list[Request]:
         """n > 1: the prompt was computed once; the other n - 1 sequences share its blocks."""
@@ -170,7 +198,8 @@ class Scheduler:
                             cache_salt=parent.cache_salt, arrival_time=parent.arrival_time,
                             token_ids=list(parent.token_ids), num_cached_tokens=parent.num_cached_tokens,
                             status=RequestStatus.RUNNING,
-                            generator=make_generator(parent.params.seed, index, self.generator_device))
+                            generator=make_generator(parent.params.seed, index, self.generator_device),
+                            matcher=parent.matcher.fork() if parent.matcher is not None else None)
             self.block_manager.fork(parent, child)
             child.num_computed_tokens = num_computed
             self.requests[parent.request_id].append(child)
@@ -203,6 +232,8 @@ class Scheduler:
             token_id = sampled.token_ids[key]
             request.append_token(token_id, sampled.logprobs.get(key))
             self._check_stop(request, token_id)
+            if request.matcher is not None and not request.is_finished:
+                self._advance_grammar(request, token_id)
             deltas.append(self._delta(request))
             if request.is_finished:
                 any_finished = True
@@ -248,7 +279,9 @@ class Scheduler:
         child = Request(parent.request_id, parent.prompt_token_ids, parent.params, index=slot,
                         cache_salt=parent.cache_salt, arrival_time=parent.arrival_time,
                         token_ids=parent.token_ids + [token_id], num_cached_tokens=parent.num_cached_tokens,
-                        beam=parent.beam)
+                        beam=parent.beam, matcher=parent.matcher.fork() if parent.matcher is not None else None)
+        if child.matcher is not None:
+            child.matcher.accept(token_id)
         if parent.block_table:
             self.block_manager.fork(parent, child)
             child.num_computed_tokens = parent.num_computed_tokens
@@ -258,6 +291,13 @@ class Scheduler:
             child.status = RequestStatus.PREEMPTED
             self.waiting.appendleft(child)
         return child
+
+    @staticmethod
+    def _advance_grammar(request: Request, token_id: int) -> None:
+        """A grammar that is complete (its stop token accepted) ends the sequence, as does a token
+        it cannot accept (only when every allowed token was banned, e.g. by min_tokens)."""
+        if not request.matcher.accept(token_id) or request.matcher.is_terminated():
+            request.finish(FinishReason.STOP)
 
     def take_aborted(self) -> list[TokenDelta]:
         deltas, self._aborted = self._aborted, []

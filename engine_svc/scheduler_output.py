@@ -41,7 +41,9 @@ class SampleRow:
     ``history`` (prompt then outputs) is filled only when a penalty reads it; ``ban_stop`` is set
     while ``min_tokens`` is not reached; ``beam_candidates`` > 0 asks for that many best
     (token, logprob) pairs instead of a sample (beam search chooses itself). ``generator`` is the
-    sequence's own RNG (a seeded request), or None.
+    sequence's own RNG (a seeded request), or None; ``matcher`` its grammar state (structured
+    outputs), or None. The sampler only reads them: it draws from the generator and asks the
+    matcher which tokens are allowed; the scheduler advances the matcher.
     """
 
     key: SeqKey
@@ -52,6 +54,7 @@ class SampleRow:
     ban_stop: bool = False
     beam_candidates: int = 0
     generator: Any = None  # torch.Generator: the scheduler never calls it, the sampler draws from it
+    matcher: Any = None  # structured.Matcher
 
 
 @dataclass(slots=True)

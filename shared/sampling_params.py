@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from shared.codec import ProtocolError
+from shared.structured import StructuredOutputs
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
@@ -51,6 +52,7 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool = False
+    structured_outputs: StructuredOutputs | None = None  # the grammar the output must obey
 
     @property
     def is_greedy(self) -> bool:
@@ -95,6 +97,8 @@ class SamplingParams:
                    "logit_bias")
         _check(_finite(self.length_penalty), "length_penalty must be finite", "length_penalty")
         _check(not self.use_beam_search or self.n >= 1, "beam search needs n >= 1", "n")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
         return self
 
 
