@@ -1,5 +1,5 @@
-"""Structured outputs in the engine: grammars built from constraints (`grammar`), compiled and cached
-per tokenizer (`cache`), and followed token by token per sequence (`matcher`).
+"""Structured outputs in the engine: grammars (built from constraints by ``shared/grammar.py``)
+compiled and cached per tokenizer (`cache`), and followed token by token per sequence (`matcher`).
 
 The names below load on first use (PEP 562), so importing a sibling module that needs none of them
 does not import xgrammar, and with it torch.
@@ -12,7 +12,6 @@ from typing import Any
 
 _EXPORTS = {
     "GrammarCache": "cache", "make_tokenizer_info": "cache",
-    "build_grammar": "grammar", "choice_ebnf": "grammar", "validate_constraint": "grammar",
     "Matcher": "matcher", "allocate_bitmask": "matcher", "apply_bitmask": "matcher",
 }
 __all__ = sorted(_EXPORTS)

@@ -9,7 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import xgrammar as xgr
 
-from engine_svc.structured.grammar import build_grammar, clean_message
+from shared.grammar import build_grammar, clean_message
 from engine_svc.structured.matcher import Matcher
 from shared.codec import ProtocolError
 from shared.structured import PARAM_PREFIX, StructuredOutputs

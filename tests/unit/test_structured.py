@@ -19,8 +19,9 @@ xgr = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
 from engine_svc.structured import (  # noqa: E402  (after the skips)
-    GrammarCache, Matcher, allocate_bitmask, apply_bitmask, choice_ebnf, make_tokenizer_info, validate_constraint,
+    GrammarCache, Matcher, allocate_bitmask, apply_bitmask, make_tokenizer_info,
 )
+from shared.grammar import choice_ebnf, validate_constraint  # noqa: E402
 
 VOCAB_SIZE = 49152  # the default model's config.json
 SHIFTS = torch.arange(32, dtype=torch.int32)

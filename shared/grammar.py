@@ -1,9 +1,10 @@
-"""StructuredOutputs -> xgrammar Grammar, without a tokenizer: cheap enough for the gateway.
+"""StructuredOutputs -> xgrammar Grammar, without a tokenizer.
 
 Building the grammar parses the schema / regex / EBNF and is where bad input fails (tens to
-hundreds of microseconds for ordinary schemas), so the gateway calls :func:`validate_constraint`
-to answer 400 before a request reaches an engine; the engine compiles the same Grammar against
-its tokenizer (``cache.py``).
+hundreds of microseconds for ordinary schemas), so the tokenizer service calls
+:func:`validate_constraint` to answer 400 before a request reaches an engine; the engine compiles
+the same Grammar against its tokenizer (``engine_svc/structured/cache.py``). Here, not in the
+gateway: xgrammar imports torch, which the gateway's process does without.
 """
 
 from __future__ import annotations
