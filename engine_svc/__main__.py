@@ -1,4 +1,4 @@
-"""python -m engine_svc --redis-url URL [--model PATH] [engine flags with vLLM's names] ..."""
+"""python -m engine_svc --redis-url URL [--model PATH] [engine flags with vLLM's names] ... (flags: shared.flags)"""
 
 import os
 
@@ -13,8 +13,8 @@ if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
 import logging  # noqa: E402
 
 from engine_svc.service import main  # noqa: E402
-from shared.config import parse_engine  # noqa: E402
+from shared.flags import parse_engine  # noqa: E402
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
-    main(*parse_engine())
+    main(parse_engine())

@@ -22,14 +22,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.auth import APIKeyMiddleware
-from gateway.config import GatewayLimits, accepts_model
+from gateway.config import accepts_model
 from gateway.context import GatewayContext
 from gateway.errors import APIError, not_found_model
 from gateway.generation import Generation
 from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from gateway.renderer import ChatRenderer, CompletionRenderer
 from gateway.responder import GenerationResponse
-from shared.config import GatewayConfig
+from shared.config import GatewayConfig, GatewayLimits
 from shared.protocol import GenerateRequest, ProtocolError
 from shared.telemetry import CONTENT_TYPE_LATEST, Metrics
 

@@ -1,32 +1,20 @@
-"""The gateway's own knobs (GatewayLimits) next to shared.config.GatewayConfig. No I/O here.
-
-``shared.config.GatewayConfig`` says who the gateway is (bus, address, model, API key) and is
-built by the same flags `pagedserve serve` passes; ``GatewayLimits`` says how long and how much
-it tolerates, which no other service needs to know.
+"""What the gateway derives from its config (``shared.config.GatewayConfig``, with its
+``GatewayLimits``, re-exported here): the model name it serves and its id. No I/O here.
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from pathlib import PurePath
 
-from shared.config import GatewayConfig
+from shared.config import GatewayConfig, GatewayLimits
 from shared.models import GGUF_FILE
+
+__all__ = ["DEFAULT_MODEL_NAME", "GatewayLimits", "accepts_model", "gateway_id", "served_model_name"]
 
 # the default model keeps its plain name, whether or not --model names its cache folder
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_FOLDER = PurePath(GGUF_FILE).stem  # the converted folder is named after the GGUF
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class GatewayLimits:
-    """Timeouts and size limits of one gateway."""
-
-    idle_timeout_s: float = 600.0  # a request with no reply for this long fails (503) and is aborted
-    max_body_bytes: int = 16 << 20  # larger bodies answer 413
-    max_pending_requests: int = 4096  # more HTTP requests in flight answer 429
-    heartbeat_max_age_s: float = 10.0  # /health: an engine heartbeat younger than this
 
 
 def served_model_name(config: GatewayConfig) -> str:

@@ -5,19 +5,18 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from gateway.collector import Collector
-from gateway.config import GatewayLimits, gateway_id, served_model_name
+from gateway.config import gateway_id, served_model_name
 from gateway.errors import APIError
-from shared.config import GatewayConfig
-from shared.models import resolve_model
-from shared.protocol import (Abort, ErrorInfo, FinishReason, GenerateRequest, Heartbeat, ProtocolError, RequestOutput,
-                             decode)
+from shared.config import GatewayConfig, GatewayLimits
+from shared.heartbeat import heartbeat_value, parse_heartbeats
+from shared.models import load_tokenizer
+from shared.protocol import Abort, ErrorInfo, FinishReason, GenerateRequest, Heartbeat, RequestOutput
 from shared.streams import AsyncProducer, AsyncStreamReader
 
 log = logging.getLogger(__name__)
@@ -29,11 +28,12 @@ class GatewayContext:
     Built without I/O (``GatewayContext(config)``); ``open()`` connects and starts the collector,
     ``close()`` stops it and deletes the reply stream. Aborts are sent from background tasks
     held here, so a client's departure can never cancel the Abort that frees its blocks.
+    ``limits`` replaces ``config.limits`` (tests tighten them without rebuilding the config).
     """
 
     def __init__(self, config: GatewayConfig, limits: GatewayLimits | None = None):
         self.config = config
-        self.limits = limits or GatewayLimits()
+        self.limits = limits or config.limits
         self.model_name = served_model_name(config)
         self.names = config.bus.names
         self.gateway_id = gateway_id(config)
@@ -53,7 +53,7 @@ class GatewayContext:
         self.collector = Collector(AsyncStreamReader(self.client, self.reply_to, start="0-0"), trim=self._trim)
         self.collector.start()
         if self.config.model is not None:  # warm it up now; the default model is resolved lazily
-            self._tokenizer = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, self.config.model))
+            self._tokenizer = asyncio.ensure_future(self._load_tokenizer())
             # what is alive now lives as long as the process: out of the collector's sight, so that
             # full collections do not walk the tokenizer's objects again and again (~3 us per token)
             self._tokenizer.add_done_callback(lambda _: gc.freeze())
@@ -104,12 +104,11 @@ class GatewayContext:
         while True:
             if self.collector.num_pending:
                 await self.fail_if_no_engine()
-            beat = Heartbeat(service="gateway", service_id=self.service_id, time=time.time(),
-                             stats={"num_requests": float(self.num_in_flight),
-                                    "num_routes": float(self.collector.num_pending),
-                                    "num_dropped": float(self.collector.num_dropped)})
+            beat = heartbeat_value("gateway", self.service_id, {"num_requests": self.num_in_flight,
+                                                                "num_routes": self.collector.num_pending,
+                                                                "num_dropped": self.collector.num_dropped})
             try:
-                await self.client.hset(self.names.heartbeat, self.service_id, beat.to_wire())
+                await self.client.hset(self.names.heartbeat, self.service_id, beat)
             except Exception as exc:  # Redis restarting: the next beat will do
                 log.warning("heartbeat not written: %s", exc)
             await asyncio.sleep(interval_s)
@@ -132,35 +131,20 @@ class GatewayContext:
             log.warning("no engine alive: failed %d requests in flight", len(request_ids))
         return len(request_ids)
 
-    async def heartbeats(self) -> list[Heartbeat]:
-        raw = await self.client.hgetall(self.names.heartbeat)
-        beats = []
-        for value in raw.values():
-            try:
-                msg = decode(value)
-            except ProtocolError:
-                continue
-            if isinstance(msg, Heartbeat):
-                beats.append(msg)
-        return beats
-
     async def fresh_engines(self) -> list[Heartbeat]:
-        now = time.time()
-        return [b for b in await self.heartbeats()
-                if b.service == "engine" and now - b.time < self.limits.heartbeat_max_age_s]
+        """The engines whose heartbeat is younger than ``heartbeat_max_age_s``."""
+        raw = await self.client.hgetall(self.names.heartbeat)
+        return list(parse_heartbeats(raw, max_age_s=self.limits.heartbeat_max_age_s, service="engine").values())
 
     # ----------------------------------------------------------------- the local tokenizer
     async def tokenizer(self) -> Any:
         """The model's HF tokenizer, loaded once off the event loop (for /tokenize, /detokenize)."""
         if self._tokenizer is None:
-            self._tokenizer = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, self.config.model))
+            self._tokenizer = asyncio.ensure_future(self._load_tokenizer())
         try:
             return await asyncio.shield(self._tokenizer)
         except Exception as exc:
             raise APIError(503, f"cannot load the tokenizer: {exc}") from None
 
-
-def _load_tokenizer(path: str | None) -> Any:
-    from transformers import AutoTokenizer  # heavy: only when /tokenize is first used
-
-    return AutoTokenizer.from_pretrained(resolve_model(path))
+    async def _load_tokenizer(self) -> Any:
+        return await asyncio.to_thread(load_tokenizer, self.config.model, self.config.tokenizer)

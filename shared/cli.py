@@ -7,11 +7,11 @@ Ctrl-C, SIGTERM nor a SIGKILL of `pagedserve` leaves orphans. Staying in one ses
 for scheduling: Linux's autogroups give every session an equal share of the CPU and let a
 waking task preempt only within its group, so the engine's SCHED_IDLE (``--engine-sched idle``,
 the default) yields the CPU at once to the bus services only when they share its session.
+A child's settings are its typed config written back as its command line (``shared.flags``).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
@@ -21,11 +21,13 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from shared.config import add_engine_args, engine_argv
-from shared.placement import MODES, bus_cpus, pin
+from shared import flags
+from shared.config import ServeConfig
+from shared.models import resolve_model
+from shared.placement import bus_cpus, pin
 from shared.redis_server import RedisServer, die_with_parent
 
-SERVICES = {"gateway": "gateway", "tokenizer": "tokenizer_svc", "engine": "engine_svc", "detok": "detok_svc"}
+MODULES = {"gateway": "gateway", "tokenizer": "tokenizer_svc", "engine": "engine_svc", "detok": "detok_svc"}
 STOP_ORDER = ("gateway", "tokenizer", "engine", "detok")  # stop intake first, output last
 
 
@@ -39,6 +41,7 @@ class Child:
     nice: int = 0  # added to the niceness before the child starts (every thread it makes inherits it)
     sched_idle: bool = False  # SCHED_IDLE: a task of this session that wakes up takes the CPU from it at once
     cpus: set[int] | None = None  # pinned to these CPUs (shared/placement.py); None: any
+    config: object | None = None  # the typed config its command line carries (shared.flags.to_argv)
 
     def start(self, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", *self.argv], env=env, process_group=0,
@@ -66,61 +69,29 @@ class Child:
             pass
 
 
-def serve_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedserve serve", description="the whole stack on one machine")
-    p.add_argument("--model", default=os.environ.get("PAGEDSERVE_MODEL"),
-                   help="HF model folder (default: SmolLM2-135M-Instruct, converted once)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
-    p.add_argument("--prefix", default="ps")
-    p.add_argument("--gateways", type=int, default=1,
-                   help="gateway processes sharing the port (SO_REUSEPORT), each with its own reply stream")
-    p.add_argument("--tokenizers", type=int, default=1)
-    p.add_argument("--detokenizers", type=int, default=1)
-    p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"))
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--engine-nice", type=int, default=0, help="run the engine at this niceness")
-    p.add_argument("--engine-sched", choices=("normal", "idle"), default="idle",
-                   help="idle (default): SCHED_IDLE, so that the bus services, which need ~1%% of the engine's "
-                        "CPU, get a core the moment a step's tokens wake them; normal: when other CPU-bound work "
-                        "shares this session and must not starve the engine")
-    p.add_argument("--bus-cpus", choices=MODES, default="spread",
-                   help="spread (default): each gateway and detok shard on a CPU of its own, Redis and the "
-                        "tokenizers with the detok shards, the engine on every CPU (shared/placement.py); "
-                        "none: the kernel places them")
-    p.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for /health")
-    add_engine_args(p)
-    return p
+def _child(name: str, command: str, config, **kw) -> Child:
+    """A child that starts as ``python -m <module> <its config as flags>``."""
+    return Child(name, [MODULES[command], *flags.to_argv(command, config)], config=config, **kw)
 
 
-def _resolve_model(model: str | None) -> str:
-    if model is not None and os.path.isdir(model):
-        return os.path.abspath(model)
-    from shared.models import resolve_model  # converts the default model once, before any child needs it
+def build_children(config: ServeConfig, redis_url: str, model: str) -> list[Child]:
+    """Every child of the stack, its config the serve config's template for its kind plus its identity."""
+    common = {"redis_url": redis_url, "model": model, "num_detok_shards": config.num_detokenizers}
 
-    return str(resolve_model(model))
+    def own(command: str, **identity):
+        template = getattr(config, command)
+        return flags.with_identity(command, flags.fill(template, {**common, **identity}))
 
-
-def build_children(args: argparse.Namespace, redis_url: str, model: str) -> list[Child]:
-    common = ["--redis-url", redis_url, "--prefix", args.prefix, "--model", model]
-    if args.max_model_len is not None:
-        common += ["--max-model-len", str(args.max_model_len)]
-    shards = ["--num-detok-shards", str(args.detokenizers)]
-    gateway = ["--host", args.host, "--port", str(args.port)]
-    if args.served_model_name:
-        gateway += ["--served-model-name", args.served_model_name]
-    if args.gateways > 1:
-        gateway.append("--reuse-port")
-    cpus = bus_cpus(args.bus_cpus, args.gateways, args.detokenizers)
-    children = [Child(f"gateway-{i}" if args.gateways > 1 else "gateway", ["gateway", *common, *shards, *gateway],
-                      cpus=cpus.get(f"gateway-{i}")) for i in range(args.gateways)]
-    children += [Child(f"tokenizer-{i}", ["tokenizer_svc", *common, "--service-id", f"tokenizer-{i}"],
-                       cpus=cpus.get("tokenizer")) for i in range(args.tokenizers)]
-    children.append(Child("engine", ["engine_svc", *common, *shards, "--service-id", "engine-0", *engine_argv(args)],
-                          nice=args.engine_nice, sched_idle=args.engine_sched == "idle"))
-    children += [Child(f"detok-{k}", ["detok_svc", *common, *shards, "--shard", str(k), "--service-id", f"detok-{k}"],
-                       cpus=cpus.get(f"detok-{k}")) for k in range(args.detokenizers)]
+    cpus = bus_cpus(config.bus_cpus, config.num_gateways, config.num_detokenizers)
+    gateway = own("gateway", reuse_port=config.num_gateways > 1)
+    children = [_child(f"gateway-{i}" if config.num_gateways > 1 else "gateway", "gateway", gateway,
+                       cpus=cpus.get(f"gateway-{i}")) for i in range(config.num_gateways)]
+    children += [_child(f"tokenizer-{i}", "tokenizer", own("tokenizer", service_id=f"tokenizer-{i}"),
+                        cpus=cpus.get("tokenizer")) for i in range(config.num_tokenizers)]
+    children.append(_child("engine", "engine", own("engine", service_id="engine-0"),
+                           nice=config.engine_nice, sched_idle=config.engine_sched == "idle"))
+    children += [_child(f"detok-{k}", "detok", own("detok", shard=k, service_id=f"detok-{k}"),
+                        cpus=cpus.get(f"detok-{k}")) for k in range(config.num_detokenizers)]
     return children
 
 
@@ -181,23 +152,24 @@ class Supervisor:
 
 
 def serve(argv: list[str]) -> int:
-    args = serve_parser().parse_args(argv)
-    model = _resolve_model(args.model)
+    config = flags.parse_serve(argv)
+    model = resolve_model(config.model)  # converts the default model once, before any child needs it
     redis_server = None
-    if args.redis_url is None:
-        redis_server = RedisServer(cpus=bus_cpus(args.bus_cpus, args.gateways, args.detokenizers).get("redis")).start()
-    redis_url = args.redis_url or redis_server.url
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if args.api_key:
-        env["PAGEDSERVE_API_KEY"] = args.api_key  # through the environment, not visible in `ps`
-    supervisor = Supervisor(build_children(args, redis_url, model))
+    if config.redis_url is None:
+        cpus = bus_cpus(config.bus_cpus, config.num_gateways, config.num_detokenizers)
+        redis_server = RedisServer(cpus=cpus.get("redis")).start()
+    redis_url = config.redis_url or redis_server.url
+    # secrets through the environment, not visible in `ps`
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **flags.to_env("gateway", config.gateway)}
+    supervisor = Supervisor(build_children(config, redis_url, model))
     signal.signal(signal.SIGINT, supervisor.on_signal)
     signal.signal(signal.SIGTERM, supervisor.on_signal)
-    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    host, port = config.gateway.host, config.gateway.port
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     try:
         supervisor.start(env)
-        if supervisor.wait_healthy(f"http://{host}:{args.port}/health", args.startup_timeout):
-            print(f"pagedserve: serving {model} at http://{host}:{args.port}/v1 (redis {redis_url})", flush=True)
+        if supervisor.wait_healthy(f"http://{host}:{port}/health", config.startup_timeout_s):
+            print(f"pagedserve: serving {model} at http://{host}:{port}/v1 (redis {redis_url})", flush=True)
             dead = supervisor.watch()
         else:
             dead = supervisor.dead_child()
@@ -216,7 +188,7 @@ def serve(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = ("serve", *SERVICES)
+    commands = ("serve", *MODULES)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(f"usage: pagedserve {{{'|'.join(commands)}}} [options]   (pagedserve CMD --help for each)",
               file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
@@ -224,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "serve":
         return serve(rest)
-    os.execv(sys.executable, [sys.executable, "-m", SERVICES[command], *rest])  # one service, this process
+    os.execv(sys.executable, [sys.executable, "-m", MODULES[command], *rest])  # one service, this process
     return 0  # not reached
 
 

@@ -1,15 +1,49 @@
-"""Heartbeats: every service's liveness and load, one field per service in the ``ps:heartbeat`` hash."""
+"""Heartbeats: every service's liveness and load, one field per service in the ``ps:heartbeat`` hash.
+
+The hash's value is built by ``heartbeat_value`` and read by ``parse_heartbeats``, both free of
+I/O, so the sync services (``HeartbeatWriter``, ``read_heartbeats``) and the gateway's asyncio
+task write and read the same thing with their own clients.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 
 import redis
 
 from shared.protocol import Heartbeat, ProtocolError
 
 log = logging.getLogger(__name__)
+
+
+def heartbeat_value(service: str, service_id: str, stats: Mapping[str, float]) -> bytes:
+    """The hash value of one beat of ``service_id``, stamped now."""
+    return Heartbeat(service=service, service_id=service_id, time=time.time(),
+                     stats={k: float(v) for k, v in stats.items()}).to_wire()
+
+
+def parse_heartbeats(raw: Mapping[bytes | str, bytes], *, max_age_s: float | None = None,
+                     service: str | None = None) -> dict[str, Heartbeat]:
+    """service id -> its Heartbeat, from the hash's fields (HGETALL). Undecodable values are
+    skipped; so are beats older than ``max_age_s`` and those of another ``service`` when given."""
+    out = {}
+    now = time.time()
+    for service_id, data in raw.items():
+        try:
+            beat = Heartbeat.from_wire(data)
+        except ProtocolError:
+            continue
+        if (max_age_s is None or now - beat.time <= max_age_s) and service in (None, beat.service):
+            out[service_id.decode() if isinstance(service_id, bytes) else service_id] = beat
+    return out
+
+
+def read_heartbeats(client: redis.Redis, key: str, *, max_age_s: float | None = None,
+                    service: str | None = None) -> dict[str, Heartbeat]:
+    """``parse_heartbeats`` of the hash ``key``."""
+    return parse_heartbeats(client.hgetall(key), max_age_s=max_age_s, service=service)
 
 
 class HeartbeatWriter:
@@ -21,15 +55,13 @@ class HeartbeatWriter:
         self.interval_s = interval_s
         self._next = 0.0
 
-    def beat(self, stats: dict[str, float], *, force: bool = False) -> bool:
+    def beat(self, stats: Mapping[str, float], *, force: bool = False) -> bool:
         now = time.monotonic()
         if not force and now < self._next:
             return False
         self._next = now + self.interval_s
-        msg = Heartbeat(service=self.service, service_id=self.service_id, time=time.time(),
-                        stats={k: float(v) for k, v in stats.items()})
         try:
-            self.client.hset(self.key, self.service_id, msg.to_wire())
+            self.client.hset(self.key, self.service_id, heartbeat_value(self.service, self.service_id, stats))
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             log.warning("heartbeat not written: %s", exc)
         return True
@@ -39,17 +71,3 @@ class HeartbeatWriter:
             self.client.hdel(self.key, self.service_id)
         except (redis.ConnectionError, redis.TimeoutError):
             pass
-
-
-def read_heartbeats(client: redis.Redis, key: str, *, max_age_s: float | None = None) -> dict[str, Heartbeat]:
-    """service id -> its latest Heartbeat (undecodable entries skipped; stale ones too when max_age_s)."""
-    out = {}
-    now = time.time()
-    for service_id, data in client.hgetall(key).items():
-        try:
-            msg = Heartbeat.from_wire(data)
-        except ProtocolError:
-            continue
-        if max_age_s is None or now - msg.time <= max_age_s:
-            out[service_id.decode() if isinstance(service_id, bytes) else service_id] = msg
-    return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import importlib.metadata
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -73,13 +74,38 @@ def default_model_dir() -> Path:
 
 
 def resolve_model(path: str | None) -> str:
-    """`path` if given (it must be an existing folder), else the default model's folder."""
+    """`path` as an absolute path if given (it must be an existing folder), else the default
+    model's folder (converted on first use). The one place a model folder is found."""
     if path is None:
         return str(default_model_dir())
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise ModelNotFoundError(f"model folder not found: {path}")
-    return str(folder)
+    return os.path.abspath(folder)
+
+
+def load_tokenizer(model: str | None, tokenizer: str | None = None):
+    """The HF tokenizer of ``tokenizer`` (a folder), else of the model folder (``resolve_model``).
+    Every service that tokenizes or detokenizes loads it here."""
+    from transformers import AutoTokenizer  # heavy: only in the processes that need it
+
+    folder = resolve_model(tokenizer if tokenizer is not None else model)
+    loaded = AutoTokenizer.from_pretrained(folder)
+    if not getattr(loaded, "is_fast", False):
+        logger.warning("%s has no fast tokenizer; encoding will be slow", folder)
+    return loaded
+
+
+def model_max_len(model_dir: str, fallback: int = 2048) -> int:
+    """max_position_embeddings of the model's config.json: the engine's cap when --max-model-len
+    is not given (a service given --max-model-len uses that instead, as the engine does)."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+    except OSError:
+        return fallback
+    config = config.get("text_config", config)
+    return int(config.get("max_position_embeddings") or fallback)
 
 
 def _convert_atomically(source: Path, target: Path) -> None:

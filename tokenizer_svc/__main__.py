@@ -1,8 +1,8 @@
-"""python -m tokenizer_svc --redis-url URL [--model PATH] [--max-model-len L] ..."""
+"""python -m tokenizer_svc --redis-url URL [--model PATH] [--max-model-len L] ... (flags: shared.flags)"""
 
 import logging
 
-from shared.config import parse_tokenizer
+from shared.flags import parse_tokenizer
 from tokenizer_svc.service import main
 
 if __name__ == "__main__":

@@ -2,48 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import signal
 import threading
 
 from shared.config import TokenizerConfig
 from shared.protocol import GROUP_TOKENIZER, ErrorInfo, FinishReason, GenerateRequest, Message, RequestOutput
-from shared.heartbeat import HeartbeatWriter
 from shared.group_reader import GroupReader
+from shared.heartbeat import HeartbeatWriter
+from shared.models import load_tokenizer, model_max_len, resolve_model
 from shared.streams import Producer, connect
 from tokenizer_svc.prompts import PromptEncoder
 
 log = logging.getLogger(__name__)
-
-
-def load_tokenizer(model_dir: str):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if not getattr(tokenizer, "is_fast", False):
-        log.warning("%s has no fast tokenizer; encoding will be slow", model_dir)
-    return tokenizer
-
-
-def model_max_len(model_dir: str, fallback: int = 2048) -> int:
-    """max_position_embeddings of the model's config.json (what the engine defaults to)."""
-    try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            config = json.load(f)
-    except OSError:
-        return fallback
-    config = config.get("text_config", config)
-    return int(config.get("max_position_embeddings") or fallback)
-
-
-def resolve_model_dir(model: str | None) -> str:
-    if model is not None and os.path.isdir(model):
-        return model
-    from shared.models import resolve_model  # converts the default model once, when asked for it
-
-    return str(resolve_model(model))
 
 
 class TokenizerService:
@@ -65,9 +36,10 @@ class TokenizerService:
 
     @classmethod
     def from_config(cls, config: TokenizerConfig) -> TokenizerService:
-        model_dir = resolve_model_dir(config.model)
-        max_len = config.max_model_len or model_max_len(model_dir)
-        return cls(config, PromptEncoder(load_tokenizer(model_dir), max_len, config.bus.names))
+        """The engine's cap (``max_model_len``, parsed from the same flag as the engine's), else the model's."""
+        max_len = config.max_model_len or model_max_len(resolve_model(config.model))
+        tokenizer = load_tokenizer(config.model, config.tokenizer)
+        return cls(config, PromptEncoder(tokenizer, max_len, config.bus.names))
 
     def run(self) -> None:
         self.from_gateway.ensure_group()

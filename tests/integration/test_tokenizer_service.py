@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 
 from shared.config import BusConfig, TokenizerConfig
+from shared.models import model_max_len
 from shared.protocol import (ChatMessage, EngineRequest, FinishReason, GenerateRequest, RequestOutput,
                              SamplingParams, StreamNames, decode)
 from shared.streams import Producer
 from tokenizer_svc.chat import ChatRenderer
 from tokenizer_svc.prompts import PromptEncoder
-from tokenizer_svc.service import TokenizerService, model_max_len
+from tokenizer_svc.service import TokenizerService
 
 
 def _service(redis_url, prefix, tokenizer, tokenizer_dir, service_id="tok-a"):
@@ -117,3 +118,34 @@ def test_chat_encode_matches_template_when_no_special_text(hf_tokenizer, content
     renderer = ChatRenderer(hf_tokenizer)
     text, ids = renderer.encode([ChatMessage(role="user", content=content)])
     assert hf_tokenizer.decode(ids) == text
+
+
+def test_the_engines_max_model_len_caps_prompts_at_the_tokenizer(redis_url, redis_client, prefix, tokenizer_dir):
+    """One --max-model-len given to serve: the engine and the tokenizer parse the same cap, and
+    the tokenizer refuses what the engine could not hold, with the OpenAI-style 400, although
+    the model itself allows 128 positions."""
+    from dataclasses import replace
+
+    from shared.cli import build_children
+    from shared.flags import parse_engine, parse_serve, parse_tokenizer
+
+    serve = parse_serve(["--max-model-len", "16", "--prefix", prefix])
+    children = {c.name: c for c in build_children(serve, redis_url, tokenizer_dir)}
+    engine = parse_engine(children["engine"].argv[1:])
+    config = parse_tokenizer(children["tokenizer-0"].argv[1:])
+    assert engine.engine.max_model_len == config.max_model_len == 16 and model_max_len(tokenizer_dir) == 128
+
+    names = StreamNames(prefix)
+    reply = names.gateway_out("g1")
+    sampling = SamplingParams(max_tokens=4)
+    Producer(redis_client).send_many([
+        (names.tokenizer_in, GenerateRequest(request_id="long", reply_to=reply, prompt="Hello world " * 10,
+                                             sampling=sampling)),
+        (names.tokenizer_in, GenerateRequest(request_id="short", reply_to=reply, prompt="Hello", sampling=sampling))])
+    _drain(TokenizerService.from_config(replace(config, block_ms=50)))
+
+    assert [m.request_id for m in _read(redis_client, names.engine_in)] == ["short"]
+    (err,) = _read(redis_client, reply)
+    assert err.request_id == "long" and err.finish_reason == FinishReason.ERROR
+    assert err.error.code == 400 and err.error.param == "prompt"
+    assert err.error.message.startswith("This model's maximum context length is 16 tokens. However, you requested")

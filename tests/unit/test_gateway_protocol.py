@@ -207,16 +207,15 @@ def test_api_key_guards_the_api_but_not_probes():
 
 
 def test_command_line_builds_config_and_limits():
-    from gateway.__main__ import parse_args
+    from shared.flags import parse_gateway
 
-    config, limits, log_level, reuse_port = parse_args(["--redis-url", "redis://h:1/0", "--prefix", "p", "--port", "9",
-                                                        "--model", "/m", "--served-model-name", "m", "--api-key", "k",
-                                                        "--max-model-len", "64", "--request-timeout", "5",
-                                                        "--reuse-port"])
+    config = parse_gateway(["--redis-url", "redis://h:1/0", "--prefix", "p", "--port", "9", "--model", "/m",
+                            "--served-model-name", "m", "--api-key", "k", "--max-model-len", "64",
+                            "--request-timeout", "5", "--reuse-port"])
     assert (config.bus.redis_url, config.bus.prefix, config.port, config.model) == ("redis://h:1/0", "p", 9, "/m")
     assert (config.served_model_name, config.api_key, config.max_model_len) == ("m", "k", 64)
-    assert limits == GatewayLimits(idle_timeout_s=5.0) and log_level == "info" and reuse_port
-    assert parse_args([])[1] == GatewayLimits() and not parse_args([])[3]
+    assert config.limits == GatewayLimits(idle_timeout_s=5.0) and config.log_level == "info" and config.reuse_port
+    assert parse_gateway([]).limits == GatewayLimits() and not parse_gateway([]).reuse_port
 
 
 def test_served_model_name_and_aliases():

@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from shared.cli import build_children, serve_parser
+from shared.cli import build_children
+from shared.flags import parse_serve
 from shared.placement import bus_cpus
 from shared.redis_server import RedisServer
 
@@ -31,14 +32,14 @@ def test_one_cpu_or_none_pins_nothing():
 
 
 def test_serve_gives_children_their_cpus():
-    args = serve_parser().parse_args(["--gateways", "2", "--detokenizers", "1", "--tokenizers", "2"])
-    children = {c.name: c for c in build_children(args, "redis://127.0.0.1:1/0", "/m")}
+    config = parse_serve(["--gateways", "2", "--detokenizers", "1", "--tokenizers", "2"])
+    children = {c.name: c for c in build_children(config, "redis://127.0.0.1:1/0", "/m")}
     plan = bus_cpus("spread", 2, 1)
     assert children["gateway-0"].cpus == plan.get("gateway-0")
     assert children["detok-0"].cpus == plan.get("detok-0")
     assert children["tokenizer-1"].cpus == plan.get("tokenizer")
     assert children["engine"].cpus is None  # the engine keeps every CPU
-    off = serve_parser().parse_args(["--bus-cpus", "none"])
+    off = parse_serve(["--bus-cpus", "none"])
     assert all(c.cpus is None for c in build_children(off, "redis://127.0.0.1:1/0", "/m"))
 
 
