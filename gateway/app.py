@@ -1,8 +1,8 @@
-"""The Starlette app: OpenAI routes, health, metrics, tokenize; the lifespan opens the bus.
+"""The Starlette app: the OpenAI endpoints, health, metrics, tokenize; the lifespan opens the bus.
 
-A route only parses and checks the HTTP request, turns each prompt into one GenerateRequest
-and hands a Generation to ``GenerationResponse``, which writes it out. Nothing here waits on
-Redis except through the collector's queues.
+An endpoint only parses and checks the HTTP request, turns each prompt into one GenerateRequest
+and hands their Submission to a ``Responder``, which writes it out. Nothing here waits on
+Redis except through the collector's inboxes.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from gateway.auth import APIKeyMiddleware
 from gateway.config import accepts_model
 from gateway.context import GatewayContext
 from gateway.errors import APIError, not_found_model
-from gateway.generation import Generation
 from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from gateway.renderer import ChatRenderer, CompletionRenderer
-from gateway.responder import GenerationResponse
+from gateway.renderer import ChatCompletionRenderer, TextCompletionRenderer
+from gateway.responder import Responder
+from gateway.submission import Submission
 from shared.config import GatewayConfig, GatewayLimits
 from shared.protocol import GenerateRequest, ProtocolError
 from shared.telemetry import CONTENT_TYPE_LATEST, Metrics
@@ -43,7 +43,7 @@ def _version() -> str:
         return "0.1.0+local"
 
 
-class Routes:
+class Endpoints:
     """The HTTP handlers of one gateway; they share its GatewayContext and metrics."""
 
     def __init__(self, ctx: GatewayContext, metrics: Metrics):
@@ -61,41 +61,41 @@ class Routes:
             if isinstance(prompt, tuple):
                 self._check_prompt_len(len(prompt))
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        requests = [self._request(f"{response_id}-{i}", params, echo=body.echo, cache_salt=body.cache_salt,
+        requests = [self._bus_request(f"{response_id}-{i}", params, echo=body.echo, cache_salt=body.cache_salt,
                                   prompt=p if isinstance(p, str) else None,
                                   prompt_token_ids=p if isinstance(p, tuple) else None)
                     for i, p in enumerate(prompts)]
         echo_texts = [p if isinstance(p, str) else None for p in prompts]
-        renderer = CompletionRenderer(response_id, self.ctx.model_name, want_logprobs=body.logprobs is not None)
-        return await self._generate(requests, renderer, body, echo_texts)
+        renderer = TextCompletionRenderer(response_id, self.ctx.model_name, want_logprobs=body.logprobs is not None)
+        return await self._submit(requests, renderer, body, echo_texts)
 
     async def chat_completions(self, request: Request):
         body = await self._parse(request, ChatCompletionRequest)
         messages = body.chat_messages()
         params = body.sampling_params()
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        requests = [self._request(f"{response_id}-0", params, messages=messages, cache_salt=body.cache_salt,
+        requests = [self._bus_request(f"{response_id}-0", params, messages=messages, cache_salt=body.cache_salt,
                                   add_generation_prompt=body.add_generation_prompt)]
-        renderer = ChatRenderer(response_id, self.ctx.model_name, want_logprobs=body.logprobs)
-        return await self._generate(requests, renderer, body)
+        renderer = ChatCompletionRenderer(response_id, self.ctx.model_name, want_logprobs=body.logprobs)
+        return await self._submit(requests, renderer, body)
 
-    def _request(self, request_id: str, params, **fields) -> GenerateRequest:
+    def _bus_request(self, request_id: str, params, **fields) -> GenerateRequest:
         return GenerateRequest(request_id=request_id, reply_to=self.ctx.reply_to, sampling=params,
                                arrival_time=time.time(), **fields)
 
-    async def _generate(self, requests, renderer, body, echo_texts=None) -> GenerationResponse:
+    async def _submit(self, requests, renderer, body, echo_texts=None) -> Responder:
         if self.ctx.num_in_flight >= self.limits.max_pending_requests:
             raise APIError(429, "too many requests in flight; retry later")
-        generation = Generation(self.ctx, requests, idle_timeout_s=self.limits.idle_timeout_s,
+        submission = Submission(self.ctx, requests, idle_timeout_s=self.limits.idle_timeout_s,
                                 echo_texts=echo_texts)
-        await generation.start()
+        await submission.start()
         self.ctx.num_in_flight += 1
-        return GenerationResponse(generation, renderer, stream=body.stream, include_usage=body.include_usage,
-                                  on_done=self._done)
+        return Responder(submission, renderer, stream=body.stream, include_usage=body.include_usage,
+                         on_done=self._on_done)
 
-    def _done(self, generation: Generation, status: int) -> None:
+    def _on_done(self, submission: Submission, status: int) -> None:
         self.ctx.num_in_flight -= 1
-        observe(self.metrics, generation, status)
+        observe(self.metrics, submission, status)
 
     async def _parse(self, request: Request, model: type[BaseModel]):
         raw = await _read_body(request, self.limits.max_body_bytes)
@@ -132,7 +132,7 @@ class Routes:
     async def version(self, request: Request) -> JSONResponse:
         return JSONResponse({"version": _version()})
 
-    async def metrics_route(self, request: Request) -> Response:
+    async def get_metrics(self, request: Request) -> Response:
         try:
             engines = await self.ctx.fresh_engines()
         except Exception:
@@ -164,18 +164,18 @@ class Routes:
         return JSONResponse({"prompt": text})
 
 
-def observe(metrics: Metrics, generation: Generation, status: int) -> None:
+def observe(metrics: Metrics, submission: Submission, status: int) -> None:
     """Feed one finished HTTP request to the Prometheus series (errors and departures count too)."""
-    if status != 200 or generation.first_output_time is None:
+    if status != 200 or submission.first_output_time is None:
         reason = "abort" if status == 499 else "error"
         metrics.request_success.labels(metrics.model_name, reason).inc()
         return
-    usage = generation.usage()
-    finish = generation.choices[0].finish_reason_str or "abort"
+    usage = submission.usage()
+    finish = submission.choices[0].finish_reason_str or "abort"
     metrics.observe_request(prompt_tokens=usage.prompt_tokens, generation_tokens=usage.completion_tokens,
-                            finish_reason=finish, e2e_s=time.monotonic() - generation.start_time,
-                            ttft_s=generation.first_output_time - generation.start_time,
-                            itl_s=generation.output_gaps)
+                            finish_reason=finish, e2e_s=time.monotonic() - submission.start_time,
+                            ttft_s=submission.first_output_time - submission.start_time,
+                            itl_s=submission.output_gaps)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -212,7 +212,7 @@ def build_app(config: GatewayConfig, limits: GatewayLimits | None = None, *,
               context: GatewayContext | None = None) -> Starlette:
     """The ASGI app; nothing connects until the lifespan starts. ``context`` is for unit tests."""
     ctx = context if context is not None else GatewayContext(config, limits)
-    routes = Routes(ctx, Metrics(ctx.model_name))
+    endpoints = Endpoints(ctx, Metrics(ctx.model_name))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -224,14 +224,14 @@ def build_app(config: GatewayConfig, limits: GatewayLimits | None = None, *,
 
     app = Starlette(
         routes=[
-            Route("/v1/completions", routes.completions, methods=["POST"]),
-            Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
-            Route("/v1/models", routes.models, methods=["GET"]),
-            Route("/health", routes.health, methods=["GET"]),
-            Route("/version", routes.version, methods=["GET"]),
-            Route("/metrics", routes.metrics_route, methods=["GET"]),
-            Route("/tokenize", routes.tokenize, methods=["POST"]),
-            Route("/detokenize", routes.detokenize, methods=["POST"]),
+            Route("/v1/completions", endpoints.completions, methods=["POST"]),
+            Route("/v1/chat/completions", endpoints.chat_completions, methods=["POST"]),
+            Route("/v1/models", endpoints.models, methods=["GET"]),
+            Route("/health", endpoints.health, methods=["GET"]),
+            Route("/version", endpoints.version, methods=["GET"]),
+            Route("/metrics", endpoints.get_metrics, methods=["GET"]),
+            Route("/tokenize", endpoints.tokenize, methods=["POST"]),
+            Route("/detokenize", endpoints.detokenize, methods=["POST"]),
         ],
         exception_handlers={APIError: _api_error, ProtocolError: _protocol_error, HTTPException: _http_error,
                             Exception: _internal_error},

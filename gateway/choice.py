@@ -1,4 +1,4 @@
-"""One choice of an HTTP request, as its RequestOutputs arrive, and the usage they add up to."""
+"""What the gateway has received so far for one choice, and for one prompt, of an HTTP request."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from shared.protocol import FinishReason, RequestOutput, TextLogprobs
 
 
 @dataclass(slots=True)
-class Choice:
+class ChoiceState:
     """Owns the text, token ids and logprobs received so far for one choice index.
 
     Delivery on the bus is at-least-once, so a RequestOutput whose ``seq`` was already applied
-    is ignored (``add`` returns False); ``text_len`` counts echoed prompt text too, for the
-    completions ``text_offset``.
+    is ignored (``add`` returns False). The renderer alone writes ``is_started`` and
+    ``logprob_offset`` (where the streamed completions ``text_offset`` stands).
     """
 
     index: int
@@ -23,7 +23,6 @@ class Choice:
     finish_reason: int | None = None
     stop_reason: str | int | None = None
     echo_text: str = ""
-    text_len: int = 0
     num_output_tokens: int = 0
     seen: set[int] = field(default_factory=set)
     # streaming bookkeeping: whether the echo / the assistant role went out, where logprobs stand
@@ -42,11 +41,6 @@ class Choice:
     def finish_reason_str(self) -> str | None:
         return None if self.finish_reason is None else FinishReason(self.finish_reason).openai
 
-    def set_echo(self, text: str) -> None:
-        self.echo_text = text
-        self.text_len = len(text) + sum(map(len, self.text_parts))
-        self.logprob_offset = len(text) + sum(len(lp.token) for lp in self.logprobs)
-
     def add(self, out: RequestOutput) -> bool:
         """Apply one output; False when it is a duplicate or arrives after the finish."""
         if out.seq in self.seen or self.is_finished:
@@ -54,7 +48,6 @@ class Choice:
         self.seen.add(out.seq)
         if out.text_delta:
             self.text_parts.append(out.text_delta)
-            self.text_len += len(out.text_delta)
         self.token_ids.extend(out.token_ids)
         self.num_output_tokens += len(out.token_ids)
         if out.logprobs:
@@ -66,23 +59,20 @@ class Choice:
 
 
 @dataclass(slots=True)
-class PromptInfo:
+class PromptState:
     """What the services reported about one prompt (one GenerateRequest, all its choices).
 
-    The tokenizer's echo note carries the prompt's ids and text; the detokenizer puts the
-    request's usage (prompt tokens, completion tokens of all its choices) on its last output.
+    The tokenizer's echo note carries the prompt's ids; the detokenizer puts the request's usage
+    (prompt tokens, completion tokens of all its choices) on its last output.
     """
 
     num_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int | None = None
-    text: str | None = None
 
     def add(self, out: RequestOutput) -> None:
         if out.prompt_token_ids is not None:
             self.num_tokens = len(out.prompt_token_ids)
-        if out.prompt_text is not None:
-            self.text = out.prompt_text
         if out.usage is not None:
             self.num_tokens = max(self.num_tokens, out.usage.prompt_tokens)
             self.num_cached_tokens = max(self.num_cached_tokens, out.usage.cached_tokens)

@@ -1,4 +1,4 @@
-"""The gateway's one reader of its reply stream, routing each RequestOutput to its request's queue."""
+"""The gateway's one reader of its reply stream, routing each RequestOutput to its request's inbox."""
 
 from __future__ import annotations
 
@@ -17,13 +17,18 @@ class _Reader(Protocol):
     async def read(self, count: int = ..., block_ms: int | None = ...) -> list[Any]: ...
 
 
+class _Inbox(Protocol):
+    def put(self, out: RequestOutput) -> None: ...
+
+
 class Collector:
-    """Owns the routing table ``request_id -> asyncio.Queue`` and the task that fills it.
+    """Owns the routing table ``routes: request_id -> inbox`` and the task that fills it.
 
     Exactly one task per gateway reads ``ps:gateway:{gid}:out`` (plain XREAD), so N requests in
-    flight cost one blocking Redis call, not N. An output for a request that is not registered
-    (it finished, timed out or its client left) is dropped: nobody is waiting for it. A request
-    may also register a ``direct`` callable, tried first (the streaming fast path, direct_write.py).
+    flight cost one blocking Redis call, not N. A read's outputs are all routed before the task
+    yields, so each request's task wakes once per read with everything the read held for it.
+    An output for a request that is not registered (it finished, timed out or its client left)
+    is dropped: nobody is waiting for it.
     """
 
     def __init__(self, reader: _Reader, *, batch: int = 512, block_ms: int = 1000, retry_s: float = 0.5,
@@ -36,22 +41,15 @@ class Collector:
         self.batch = batch
         self.block_ms = block_ms
         self.retry_s = retry_s
-        self.routes: dict[str, asyncio.Queue] = {}
-        # request_id -> a callable that delivers an output at once and says whether it did
-        self.direct: dict[str, Callable[[RequestOutput], bool]] = {}
+        self.routes: dict[str, _Inbox] = {}
         self.num_dropped = 0
-        self.num_direct = 0
         self._task: asyncio.Task | None = None
 
-    def register(self, request_id: str, queue: asyncio.Queue,
-                 direct: Callable[[RequestOutput], bool] | None = None) -> None:
-        self.routes[request_id] = queue
-        if direct is not None:
-            self.direct[request_id] = direct
+    def register(self, request_id: str, inbox: _Inbox) -> None:
+        self.routes[request_id] = inbox
 
     def unregister(self, request_id: str) -> None:
         self.routes.pop(request_id, None)
-        self.direct.pop(request_id, None)
 
     @property
     def num_pending(self) -> int:
@@ -93,12 +91,8 @@ class Collector:
         if not isinstance(msg, RequestOutput):
             log.warning("unexpected %s on the reply stream", type(msg).__name__)
             return
-        queue = self.routes.get(msg.request_id)
-        if queue is None:
+        inbox = self.routes.get(msg.request_id)
+        if inbox is None:
             self.num_dropped += 1
             return
-        direct = self.direct.get(msg.request_id)
-        if direct is not None and direct(msg):
-            self.num_direct += 1
-            return
-        queue.put_nowait(msg)
+        inbox.put(msg)

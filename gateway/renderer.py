@@ -1,7 +1,8 @@
 """Choices -> OpenAI response bodies and stream chunks, for completions and for chat.
 
-A renderer knows the shapes only; it never touches queues, Redis or HTTP. ``chunk()`` is called
-once per applied RequestOutput while streaming, ``response()`` once at the end otherwise.
+A renderer knows the shapes only; it never touches inboxes, Redis or HTTP. While streaming, each
+applied RequestOutput becomes ``text_event()`` (a plain text delta, the hot path) or ``chunks()``;
+otherwise ``response()`` runs once at the end.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from json.encoder import encode_basestring  # json.dumps(str, ensure_ascii=False
 
 from pydantic import BaseModel
 
-from gateway.choice import Choice
+from gateway.choice import ChoiceState
 from gateway.openai_protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -68,7 +69,7 @@ def chat_logprobs(lps: Sequence[TextLogprobs]) -> ChatLogprobs:
 _INDEX, _TEXT = 987654321, "\u2063text\u2063"  # placeholders no real chunk holds
 
 
-class Renderer:
+class ResponseRenderer:
     """The shapes of one API (completions or chat) for one HTTP request."""
 
     def __init__(self, response_id: str, model: str, *, want_logprobs: bool):
@@ -78,16 +79,11 @@ class Renderer:
         self.created = int(time.time())
         self._text_template: tuple[bytes, bytes, bytes] | None = None
 
-    def is_plain_text(self, choice: Choice, out: RequestOutput) -> bool:
-        """Whether ``out`` is a plain text delta of a started choice (``text_event`` renders it)."""
-        return (not self.want_logprobs and choice.is_started and bool(out.text_delta)
-                and out.finish_reason is None)
-
-    def text_event(self, choice: Choice, out: RequestOutput) -> bytes | None:
+    def text_event(self, choice: ChoiceState, out: RequestOutput) -> bytes | None:
         """The SSE event of a plain text delta -- the hot path while streaming -- filled into the
         bytes of a chunk the pydantic model rendered once; None when the chunk needs the model
         (a choice's first chunk, logprobs, the finish)."""
-        if not self.is_plain_text(choice, out):
+        if self.want_logprobs or not choice.is_started or not out.text_delta or out.finish_reason is not None:
             return None
         if self._text_template is None:
             rendered = sse(self._plain_text_chunk(_INDEX, _TEXT))
@@ -100,10 +96,10 @@ class Renderer:
     def _plain_text_chunk(self, index: int, text: str) -> BaseModel:
         raise NotImplementedError
 
-    def response(self, choices: Sequence[Choice], usage: UsageInfo) -> BaseModel:
+    def response(self, choices: Sequence[ChoiceState], usage: UsageInfo) -> BaseModel:
         raise NotImplementedError
 
-    def chunks(self, choice: Choice, out: RequestOutput) -> list[BaseModel]:
+    def chunks(self, choice: ChoiceState, out: RequestOutput) -> list[BaseModel]:
         raise NotImplementedError
 
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
@@ -114,21 +110,21 @@ def sse(body: BaseModel) -> bytes:
     return b"data: " + body.model_dump_json().encode() + b"\n\n"
 
 
-class CompletionRenderer(Renderer):
+class TextCompletionRenderer(ResponseRenderer):
     """``text_completion`` objects; echoed prompt text leads the first chunk of each choice."""
 
-    def response(self, choices: Sequence[Choice], usage: UsageInfo) -> CompletionResponse:
+    def response(self, choices: Sequence[ChoiceState], usage: UsageInfo) -> CompletionResponse:
         return CompletionResponse(id=self.response_id, created=self.created, model=self.model, usage=usage,
                                   choices=[self._full_choice(c) for c in choices])
 
-    def _full_choice(self, choice: Choice) -> CompletionChoice:
+    def _full_choice(self, choice: ChoiceState) -> CompletionChoice:
         logprobs = None
         if self.want_logprobs:
             logprobs, _ = completion_logprobs(choice.logprobs, len(choice.echo_text))
         return CompletionChoice(index=choice.index, text=choice.text, logprobs=logprobs,
                                 finish_reason=choice.finish_reason_str, stop_reason=choice.stop_reason)
 
-    def chunks(self, choice: Choice, out: RequestOutput) -> list[CompletionChunk]:
+    def chunks(self, choice: ChoiceState, out: RequestOutput) -> list[CompletionChunk]:
         text = out.text_delta
         if not choice.is_started:
             choice.is_started = True
@@ -152,19 +148,19 @@ class CompletionRenderer(Renderer):
         return CompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[], usage=usage)
 
 
-class ChatRenderer(Renderer):
+class ChatCompletionRenderer(ResponseRenderer):
     """``chat.completion`` objects; each streamed choice opens with a role-only delta."""
 
-    def response(self, choices: Sequence[Choice], usage: UsageInfo) -> ChatCompletionResponse:
+    def response(self, choices: Sequence[ChoiceState], usage: UsageInfo) -> ChatCompletionResponse:
         return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model, usage=usage,
                                       choices=[self._full_choice(c) for c in choices])
 
-    def _full_choice(self, choice: Choice) -> ChatChoice:
+    def _full_choice(self, choice: ChoiceState) -> ChatChoice:
         logprobs = chat_logprobs(choice.logprobs) if self.want_logprobs else None
         return ChatChoice(index=choice.index, message=ChatMessageOut(content=choice.text), logprobs=logprobs,
                           finish_reason=choice.finish_reason_str, stop_reason=choice.stop_reason)
 
-    def chunks(self, choice: Choice, out: RequestOutput) -> list[ChatCompletionChunk]:
+    def chunks(self, choice: ChoiceState, out: RequestOutput) -> list[ChatCompletionChunk]:
         chunks = []
         if not choice.is_started:
             choice.is_started = True

@@ -1,22 +1,26 @@
-"""The HTTP side of one Generation: a JSON body or an SSE stream, and the client's departure.
+"""The HTTP side of one Submission: a JSON body or an SSE stream, and the client's departure.
 
 This is a plain ASGI callable rather than Starlette's StreamingResponse because the gateway must
 own three things StreamingResponse hides: a disconnect watcher that runs from the first moment
 (also while a non-streaming request waits), the choice between an HTTP error status (nothing
 sent yet) and an SSE error event (the stream began), and a ``finally`` that always closes the
-generation -- which aborts it on the engine unless every choice finished.
+submission -- which aborts it on the engine unless every choice finished.
+
+Streaming sends one ASGI message per wake-up, not per event: everything one reply-stream read
+held for this request (each a ``data:`` event) goes out in one body write. Under uvicorn, plain
+text deltas that find the stream's task waiting skip the task and are written by the collector
+(the fast path, direct_write.py, attached once the headers went out).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-
+from collections.abc import Callable
 
 from gateway.direct_write import DirectWriter
 from gateway.errors import APIError
-from gateway.generation import Generation
-from gateway.renderer import Renderer, sse
+from gateway.renderer import ResponseRenderer, sse
+from gateway.submission import Applied, Submission
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
@@ -24,12 +28,12 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-
 DONE = b"data: [DONE]\n\n"
 
 
-class GenerationResponse:
-    """Writes one Generation to the client and always closes it (``on_done(generation, status)``)."""
+class Responder:
+    """Writes one Submission to the client and always closes it (``on_done(submission, status)``)."""
 
-    def __init__(self, generation: Generation, renderer: Renderer, *, stream: bool, include_usage: bool = False,
-                 on_done: Callable[[Generation, int], None] | None = None):
-        self.generation = generation
+    def __init__(self, submission: Submission, renderer: ResponseRenderer, *, stream: bool,
+                 include_usage: bool = False, on_done: Callable[[Submission, int], None] | None = None):
+        self.submission = submission
         self.renderer = renderer
         self.stream = stream
         self.include_usage = include_usage
@@ -47,66 +51,69 @@ class GenerationResponse:
         finally:
             watcher.remove_done_callback(self._on_disconnect)
             watcher.cancel()
-            self.generation.close()
+            self.submission.close()
             if self.on_done is not None:
-                self.on_done(self.generation, 499 if self.generation.is_cancelled else self.status)
+                self.on_done(self.submission, 499 if self.submission.is_cancelled else self.status)
 
     def _on_disconnect(self, task: asyncio.Future) -> None:
         if not task.cancelled():
-            self.generation.cancel()
+            self.submission.cancel()
 
     async def _send_body(self, send) -> None:
         try:
-            choices = await self.generation.collect()
+            choices = await self.submission.collect()
         except APIError as exc:
             await self._send_error(send, exc)
             return
-        if self.generation.is_cancelled:
+        if self.submission.is_cancelled:
             return
-        body = self.renderer.response(choices, self.generation.usage()).model_dump_json().encode()
+        body = self.renderer.response(choices, self.submission.usage()).model_dump_json().encode()
         await send({"type": "http.response.start", "status": 200, "headers": JSON_HEADERS})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _send_stream(self, scope, send) -> None:
-        events = self._events()
+        submission = self.submission
         try:
-            try:
-                first = await anext(events)
-            except APIError as exc:  # nothing sent yet: a real HTTP status is still possible
-                await self._send_error(send, exc)
-                return
-            except StopAsyncIteration:
-                return
-            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-            await send({"type": "http.response.body", "body": first, "more_body": True})
-            self.generation.direct_writer = DirectWriter.attach(scope, self.renderer)  # the per-token fast path
-            try:
-                async for chunk in events:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except APIError as exc:  # the stream began: one error event, then close
-                self.status = exc.status
-                await send({"type": "http.response.body", "body": exc.sse_event(), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            await events.aclose()
-
-    async def _events(self) -> AsyncIterator[bytes]:
-        async for choice, out in self.generation.events():
-            event = self.renderer.text_event(choice, out)
-            if event is not None:
-                yield event
-                continue
-            for chunk in self.renderer.chunks(choice, out):
-                yield sse(chunk)
-        if self.generation.is_cancelled:
+            applied = await submission.receive()
+        except APIError as exc:  # nothing sent yet: a real HTTP status is still possible
+            await self._send_error(send, exc)
             return
-        if self.include_usage:
-            yield sse(self.renderer.usage_chunk(self.generation.usage()))
-        yield DONE
+        if submission.is_cancelled:
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        submission.direct_writer = DirectWriter.attach(scope, self.renderer)
+        try:
+            while applied:
+                events = self._events(applied)
+                if events:
+                    await send({"type": "http.response.body", "body": events, "more_body": True})
+                applied = await submission.receive()
+        except APIError as exc:  # the stream began: one error event, then close
+            self.status = exc.status
+            await send({"type": "http.response.body", "body": exc.sse_event(), "more_body": False})
+            return
+        await send({"type": "http.response.body", "body": b"" if submission.is_cancelled else self._tail(),
+                    "more_body": False})
+
+    def _events(self, applied: Applied) -> bytes:
+        """The SSE events of one wake-up's outputs, in order, as one body."""
+        renderer = self.renderer
+        events = []
+        for choice, out in applied:
+            event = renderer.text_event(choice, out)
+            if event is not None:
+                events.append(event)
+            else:
+                events.extend(sse(chunk) for chunk in renderer.chunks(choice, out))
+        return b"".join(events)
+
+    def _tail(self) -> bytes:
+        usage = sse(self.renderer.usage_chunk(self.submission.usage())) if self.include_usage else b""
+        return usage + DONE
 
     async def _send_error(self, send, exc: APIError) -> None:
         self.status = exc.status
-        if self.generation.is_cancelled:
+        if self.submission.is_cancelled:
             return
         body = exc.response().body
         await send({"type": "http.response.start", "status": exc.status, "headers": JSON_HEADERS})

@@ -1,9 +1,11 @@
 """The per-token fast path (gateway/direct_write.py) under a real uvicorn server.
 
-Outputs arrive one at a time, as from the bus, so that the stream's task is parked when most of
-them land: those go straight to the transport. The client must see exactly what the ASGI path
-sends (compared with Starlette's TestClient, which has no raw send and so never takes the fast
-path), and a stream longer than the idle timeout must not time out while its chunks flow.
+Outputs arrive one at a time, as from the bus, so that the stream's task waits on an empty inbox
+when most of them land: those go straight to the transport. The client must see exactly what the
+ASGI path sends (compared with Starlette's TestClient, which has no raw send and so never takes
+the fast path), and a stream longer than the idle timeout must not time out while its chunks
+flow. The fast path must not turn itself off without a test failing: the installed uvicorn must
+be one it supports, and under it most plain deltas must take it.
 """
 
 from __future__ import annotations
@@ -20,18 +22,39 @@ from starlette.testclient import TestClient
 
 from gateway.app import build_app
 from gateway.config import GatewayLimits
-from gateway.direct_write import capture_raw_send
+from gateway.collector import Collector
+from gateway.direct_write import SUPPORTED_UVICORN, capture_raw_send, is_supported, uvicorn_version
 from shared.config import GatewayConfig
 from shared.redis_server import free_port
-from tests.unit.test_gateway_flow import ScriptedContext, sse_events, words
+from tests.unit.test_gateway_flow import ScriptedContext, _SilentReader, sse_events, words
 
 TEXTS = tuple(f" w{i}" for i in range(30))
+
+
+class RecordingCollector(Collector):
+    """Keeps every inbox (Submission) ever registered, to read its counters after the request."""
+
+    def __init__(self, reader):
+        super().__init__(reader)
+        self.inboxes = []
+
+    def register(self, request_id, inbox):
+        super().register(request_id, inbox)
+        self.inboxes.append(inbox)
+
+    @property
+    def num_direct(self) -> int:
+        return sum(inbox.num_direct for inbox in set(self.inboxes))
 
 
 class PacedContext(ScriptedContext):
     """Routes each scripted output ``gap_s`` after the previous one."""
 
     gap_s = 0.01
+
+    async def open(self):
+        self.collector = RecordingCollector(_SilentReader())
+        self.collector.start()
 
     async def submit(self, requests):
         self.submitted.extend(requests)
@@ -92,10 +115,9 @@ def test_fast_path_sends_what_the_asgi_path_sends(n):
         fast = server.stream(body)
     assert ctx.collector.num_direct >= n * len(TEXTS) // 2  # most plain deltas took the fast path
 
-    slow_ctx = ScriptedContext(config, GatewayLimits(), _script)
+    slow_ctx = ScriptedContext(config, GatewayLimits(), _script)  # every output in one read: one body write
     with TestClient(build_app(config, context=slow_ctx)) as client:
         slow = [e if e == "[DONE]" else json.dumps(e) for e in sse_events(client.post("/v1/completions", json=body))]
-    assert slow_ctx.collector.num_direct == 0
     assert _comparable(fast) == _comparable(slow)
     texts = {i: "".join(json.loads(e)["choices"][0]["text"] for e in fast[:-1]
                         if json.loads(e)["choices"] and json.loads(e)["choices"][0]["index"] == i) for i in range(n)}
@@ -112,3 +134,11 @@ def test_a_stream_longer_than_the_idle_timeout_does_not_time_out():
     assert ctx.collector.num_direct > 0
     assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1])
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == "".join(f"{t}0" for t in TEXTS)
+
+
+def test_the_installed_uvicorn_is_one_the_fast_path_supports():
+    """Upgrading uvicorn past SUPPORTED_UVICORN turns the fast path off (every chunk then takes
+    the ASGI path, correct but slower): check direct_write.py against the new version's
+    RequestResponseCycle, then extend the range."""
+    assert is_supported(uvicorn_version()), f"uvicorn {uvicorn_version()} is outside {SUPPORTED_UVICORN}"
+    assert not is_supported(SUPPORTED_UVICORN[1]) and not is_supported(None)

@@ -189,6 +189,35 @@ def test_silence_times_out_with_503_and_an_abort(make_client):
     assert ctx.aborted == [(ctx.submitted[0].request_id,)] and ctx.collector.num_pending == 0
 
 
+def test_what_one_read_holds_for_a_stream_goes_out_in_one_body_write():
+    config = GatewayConfig(served_model_name="tiny")
+    ctx = ScriptedContext(config, GatewayLimits(), lambda r: words(r, (" a", " b", " c", " d")))
+    app = build_app(config, context=ctx)
+    request = [{"type": "http.request", "body": json.dumps({"prompt": "x", "stream": True}).encode()}]
+    sent = []
+
+    async def receive():
+        if request:
+            return request.pop()
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        sent.append(message)
+
+    async def run():
+        await ctx.open()  # the script's outputs are all routed before the stream's task runs
+        await app({"type": "http", "method": "POST", "path": "/v1/completions", "root_path": "", "query_string": b"",
+                   "headers": [(b"content-type", b"application/json")]}, receive, send)
+        await ctx.close()
+
+    asyncio.run(run())
+    bodies = [m["body"] for m in sent if m["type"] == "http.response.body"]
+    assert len(bodies) == 2 and bodies[1] == b"data: [DONE]\n\n"
+    events = [json.loads(line[6:]) for line in bodies[0].decode().split("\n\n") if line]
+    assert [e["choices"][0]["text"] for e in events] == [" a0", " b0", " c0", " d0"]
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
 def test_outputs_for_unknown_requests_are_dropped(make_client):
     client, ctx = make_client(words)
     ctx.collector.route(RequestOutput(request_id="nobody", text_delta="x"))

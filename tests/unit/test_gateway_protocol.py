@@ -229,12 +229,12 @@ def test_served_model_name_and_aliases():
 
 
 # --------------------------------------------------------------------------- the streaming fast path
-@pytest.mark.parametrize("renderer_cls", ["CompletionRenderer", "ChatRenderer"])
+@pytest.mark.parametrize("renderer_cls", ["TextCompletionRenderer", "ChatCompletionRenderer"])
 def test_text_events_equal_the_pydantic_chunks(renderer_cls):
     import random
 
     import gateway.renderer as renderers
-    from gateway.choice import Choice
+    from gateway.choice import ChoiceState
     from shared.protocol import RequestOutput
 
     rng = random.Random(0)
@@ -243,7 +243,7 @@ def test_text_events_equal_the_pydantic_chunks(renderer_cls):
     reference = getattr(renderers, renderer_cls)(renderer.response_id, renderer.model, want_logprobs=False)
     reference.created = renderer.created
     for index in (0, 3, 12):
-        choice, ref_choice = Choice(index=index), Choice(index=index)
+        choice, ref_choice = ChoiceState(index=index), ChoiceState(index=index)
         first = RequestOutput(request_id="r", text_delta="hi")
         assert renderer.text_event(choice, first) is None  # a choice's first chunk goes through the model
         renderer.chunks(choice, first), reference.chunks(ref_choice, first)
@@ -256,6 +256,6 @@ def test_text_events_equal_the_pydantic_chunks(renderer_cls):
             assert json.loads(event[6:]) == json.loads(chunk.model_dump_json())
         assert renderer.text_event(choice, RequestOutput(request_id="r", text_delta="x", finish_reason=1)) is None
     with_logprobs = getattr(renderers, renderer_cls)("id", "m", want_logprobs=True)
-    started = Choice(index=0)
+    started = ChoiceState(index=0)
     started.is_started = True
     assert with_logprobs.text_event(started, RequestOutput(request_id="r", text_delta="x")) is None
