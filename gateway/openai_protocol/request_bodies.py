@@ -1,4 +1,5 @@
-"""The HTTP schema: OpenAI's request and response bodies as pydantic models.
+"""OpenAI's request bodies as pydantic models, and what each turns into on the bus (prompts,
+chat messages, SamplingParams).
 
 Pydantic checks only shapes and types here; ranges (temperature in [0, 2], n >= 1, ...) are
 checked by ``shared.protocol.SamplingParams.validate`` so that the gateway and the engine refuse
@@ -7,26 +8,26 @@ exactly the same things with the same messages. Unknown fields are ignored, as v
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from shared.protocol import ChatMessage, ProtocolError, SamplingParams
 
 TokenIds = list[int]
 
 
-class _Request(BaseModel):
+class _RequestBody(BaseModel):
+    """Strict types, unknown fields ignored."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-class StreamOptions(_Request):
+class StreamOptions(_RequestBody):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(_RequestBody):
     """The sampling fields shared by completions and chat (OpenAI's plus vLLM's extras)."""
 
     model: str | None = None
@@ -133,12 +134,12 @@ class CompletionRequest(_SamplingFields):
         return self._sampling(self.max_tokens, self.logprobs)
 
 
-class ContentPart(_Request):
+class ContentPart(_RequestBody):
     type: str
     text: str | None = None
 
 
-class ChatMessageIn(_Request):
+class ChatMessageIn(_RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -177,7 +178,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self._sampling(max_tokens, logprobs)
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageIn] | None = None
@@ -185,119 +186,6 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(_RequestBody):
     model: str | None = None
     tokens: list[int]
-
-
-# --------------------------------------------------------------------------- responses
-
-
-class _Response(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class PromptTokensDetails(_Response):
-    cached_tokens: int = 0
-
-
-class UsageInfo(_Response):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class CompletionLogprobs(_Response):
-    """The legacy completions shape: parallel lists, one entry per generated token."""
-
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(_Response):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class CompletionResponse(_Response):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class TopLogprob(_Response):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(_Response):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class ChatMessageOut(_Response):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-
-
-class ChatChoice(_Response):
-    index: int
-    message: ChatMessageOut
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(_Response):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo | None = None
-
-
-class DeltaMessage(_Response):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(_Response):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionChunk(_Response):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
-
-
-class CompletionChunk(_Response):
-    """A streamed completion chunk has the same shape as the full response."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
