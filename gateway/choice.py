@@ -9,7 +9,7 @@ from shared.protocol import FinishReason, RequestOutput, TextLogprobs
 
 @dataclass(slots=True)
 class ChoiceState:
-    """Owns the text, token ids and logprobs received so far for one choice index.
+    """Owns the text, the number of tokens and the logprobs received so far for one choice index.
 
     Delivery on the bus is at-least-once, so a RequestOutput whose ``seq`` was already applied
     is ignored (``add`` returns False). The renderer alone writes ``is_started`` and
@@ -18,7 +18,6 @@ class ChoiceState:
 
     index: int
     text_parts: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TextLogprobs] = field(default_factory=list)
     finish_reason: int | None = None
     stop_reason: str | int | None = None
@@ -48,7 +47,6 @@ class ChoiceState:
         self.seen.add(out.seq)
         if out.text_delta:
             self.text_parts.append(out.text_delta)
-        self.token_ids.extend(out.token_ids)
         self.num_output_tokens += len(out.token_ids)
         if out.logprobs:
             self.logprobs.extend(out.logprobs)

@@ -64,10 +64,6 @@ class Collector:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
-    @property
-    def is_alive(self) -> bool:
-        return self._task is not None and not self._task.done()
-
     async def run(self) -> None:
         while True:
             try:
