@@ -1,5 +1,5 @@
-"""Builds and loads the C++ CPU kernels on first use: cpu_kernels.cpp (paged decode attention) and
-cpu_gemv.cpp (the small-batch linear layer).
+"""Builds and loads the C++ CPU kernels on first use: cpu_kernels.cpp (paged decode attention),
+cpu_gemv.cpp (the small-batch linear layer) and cpu_bitmask.cpp (structured outputs' logits mask).
 
 One shared library is compiled with g++ straight against torch's headers and libraries (no
 ninja, no pybind: the ops are registered with TORCH_LIBRARY and called as
@@ -28,7 +28,7 @@ from engine_svc import cpu_info
 
 logger = logging.getLogger("pagedserve.attention")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_gemv.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_gemv.cpp", "cpu_bitmask.cpp")]
 BASE_FLAGS = ["-std=c++17", "-O3", "-fPIC", "-shared", "-fopenmp", "-fno-trapping-math", "-Wno-unused-parameter"]
 ENV_SWITCH = "PAGEDSERVE_CPU_KERNELS"
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -60,6 +60,11 @@ def decode_kernel_for(query, k_cache, v_cache, block_tables, context_lens):
 def linear_op():
     """torch.ops.pagedserve_cpu.linear (bfloat16 GEMV for a few rows, else at::linear), or None."""
     return torch.ops.pagedserve_cpu.linear if paged_decode_op() is not None else None
+
+
+def bitmask_op():
+    """torch.ops.pagedserve_cpu.apply_token_bitmask (structured outputs' logits mask), or None."""
+    return torch.ops.pagedserve_cpu.apply_token_bitmask if paged_decode_op() is not None else None
 
 
 @functools.cache

@@ -76,7 +76,8 @@ def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
     """Set to -inf, in place, the logits of tokens that `bitmask[row]` forbids, for each of `rows`
     only (logits row i goes with bitmask row i); other rows are not touched. CPU logits use
-    xgrammar's C++ kernel (float32, bfloat16, float16); others a torch fallback on their device,
+    our C++ kernel (attention/cpu_bitmask.cpp), or xgrammar's when ours is not built; others a
+    torch fallback on their device,
     so no Triton is needed. Logits wider than the bitmask covers (a padded lm_head) are forbidden
     in those rows too: no grammar allows an id the tokenizer does not have."""
     if not rows:
@@ -86,6 +87,12 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
     if logits.shape[-1] > vocab_size:
         logits[indices, vocab_size:] = float("-inf")
     if logits.device.type == "cpu":
+        from engine_svc.attention.cpu_ops import bitmask_op
+
+        op = bitmask_op()
+        if op is not None and logits.is_contiguous():  # 2-10x faster than xgrammar's CPU kernel here
+            op(logits, bitmask, torch.tensor(indices, dtype=torch.int64))
+            return
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=indices, backend="cpu")
         return
     bitmask = bitmask.to(logits.device, non_blocking=True)

@@ -182,3 +182,25 @@ def test_small_batch_linear_matches_torch(kernel, dtype, num_rows, with_bias):
     ref = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=5e-2)  # bf16: one rounding
     torch.testing.assert_close(out[0].double(), ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [96, 100, 130])  # whole words, a partial last word, wider than the bitmask
+def test_token_bitmask_matches_a_torch_reference(kernel, dtype, vocab):
+    """cpu_bitmask.cpp against an unpacked-bit reference on random masks: words all set, all clear
+    and mixed; only the listed rows change; ids past the bitmask's 32 * words are forbidden."""
+    gen = torch.Generator().manual_seed(vocab)
+    num_words = 3 if vocab != 130 else 4  # 130 > 4 * 32: the last two ids have no bit
+    words = torch.randint(-(1 << 31), 1 << 31, (6, num_words), generator=gen, dtype=torch.int64)
+    words[0], words[1, 0], words[2, 1] = -1, 0, -1  # all allowed, a clear word, a set word
+    bitmask = words.to(torch.int32)
+    logits = torch.randn(6, vocab, generator=gen).to(dtype)
+    rows = [0, 1, 2, 4]
+    out = logits.clone()
+    cpu_ops.bitmask_op()(out, bitmask, torch.tensor(rows))
+    bits = ((words.unsqueeze(-1) >> torch.arange(32)) & 1).view(6, -1).bool()
+    allowed = torch.zeros(6, vocab, dtype=torch.bool)
+    allowed[:, :min(vocab, bits.shape[1])] = bits[:, :vocab]
+    expected = logits.clone()
+    expected[rows] = logits[rows].masked_fill(~allowed[rows], float("-inf"))
+    assert torch.equal(out, expected)
