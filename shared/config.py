@@ -62,7 +62,6 @@ class EngineConfig:
     max_logprobs: int = 20
     attention_backend: str = "auto"  # auto | torch | cupy
     enforce_eager: bool = False  # True: no torch.compile of the forward (engine_svc.compiled)
-    engine_id: str = "engine-0"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

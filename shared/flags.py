@@ -197,13 +197,13 @@ def build(command: str, values: Mapping[str, Any]) -> Any:
 
 def with_identity(command: str, config: Any) -> Any:
     """What a service's config derives from the rest: its id when none was given (an engine's
-    deltas name it as ``engine_id``), and the shard's range."""
+    admissions name it as ``engine_id``), and the shard's range."""
     if command == "detok" and not 0 <= config.shard < config.num_detok_shards:
         raise SystemExit(f"--shard must be in [0, {config.num_detok_shards})")
     if command in ("tokenizer", "engine", "detok"):
         service_id = config.service_id or (f"detok-{config.shard}" if command == "detok"
                                            else default_service_id(command))
-        config = fill(config, {"service_id": service_id, "engine_id": service_id})
+        config = fill(config, {"service_id": service_id})
     return config
 
 

@@ -170,7 +170,7 @@ def test_requests_a_dead_engine_admitted_fail_fast_while_another_engine_serves(r
             alive = beats["engine-1"].stats
             problems = [k for k, b in beats.items() if b.service in ("detok", "gateway")
                         and b.stats.get("num_requests", 0) + b.stats.get("num_routes", 0)]
-            if alive["num_free_blocks"] != alive["num_total_blocks"] or alive["num_routes"]:
+            if alive["num_free_blocks"] != alive["num_total_blocks"] or alive["num_requests"]:
                 problems.append(f"engine-1: {alive}")
             problems += [k for k, v in stack.pending().items() if v]
             if not problems or time.monotonic() > deadline:

@@ -83,7 +83,7 @@ def test_serve_hands_each_child_its_config_typed(monkeypatch):
     engine = children["engine"].config
     assert isinstance(engine, EngineServiceConfig) and engine.num_detok_shards == 2
     assert engine.engine == EngineConfig(model="/m", tokenizer="/tok", max_model_len=64, kv_cache_memory=1 << 30,
-                                         enable_prefix_caching=False, engine_id="engine-0")
+                                         enable_prefix_caching=False)
     assert children["tokenizer-0"].config.max_model_len == 64 and children["tokenizer-0"].config.tokenizer == "/tok"
     assert [children[f"detok-{k}"].config.shard for k in range(2)] == [0, 1]
 
@@ -105,7 +105,7 @@ def test_services_accept_the_shared_command_line_and_derive_their_ids():
     detok = flags.parse_detok([*shared, "--shard", "1"])
     assert (detok.bus.prefix, detok.num_detok_shards, detok.service_id) == ("p", 2, "detok-1")
     engine = flags.parse_engine([*shared, "--service-id", "e-1"])
-    assert engine.service_id == engine.engine.engine_id == "e-1" and engine.engine.max_model_len == 64
+    assert engine.service_id == "e-1" and engine.engine.max_model_len == 64
     assert flags.parse_tokenizer(shared).service_id.startswith("tokenizer-")
     assert flags.parse_gateway(shared) == GatewayConfig(bus=flags.parse_detok(shared).bus, model="/m",
                                                         max_model_len=64, num_detok_shards=2)
