@@ -3,7 +3,7 @@ text chunk written straight to uvicorn's transport.
 
 While a stream runs, nearly every RequestOutput is one plain text delta. On the ASGI path each
 costs a task wake-up, the coroutine frames of the server and Starlette's middleware and
-uvicorn's ``send``: measured with 64 streams, 31 us of gateway CPU per token against 21 us here
+uvicorn's ``send``: measured with 64 streams, ~32 us of gateway CPU per token against ~20 us here
 (and the README's serving run: 42 against ~30). When a stream's task waits on an empty inbox
 (so every earlier event of the stream is already on the wire), ``Submission.put`` instead
 renders the chunk and writes it from the collector's task, framed as uvicorn frames a streamed
