@@ -22,10 +22,10 @@ class _Inbox(Protocol):
 
 
 class Collector:
-    """Owns the routing table ``routes: request_id -> inbox`` and the task that fills it.
+    """Owns the routing table ``inboxes: request_id -> inbox`` and the task that fills it.
 
     Exactly one task per gateway reads ``ps:gateway:{gid}:out`` (plain XREAD), so N requests in
-    flight cost one blocking Redis call, not N. A read's outputs are all routed before the task
+    flight cost one blocking Redis call, not N. A read's outputs are all delivered before the task
     yields, so each request's task wakes once per read with everything the read held for it.
     An output for a request that is not registered (it finished, timed out or its client left)
     is dropped: nobody is waiting for it.
@@ -34,26 +34,26 @@ class Collector:
     def __init__(self, reader: _Reader, *, batch: int = 512, block_ms: int = 1000, retry_s: float = 0.5,
                  trim: Callable[[str], Awaitable[object]] | None = None, trim_every_s: float = 5.0):
         self.reader = reader
-        # entries already routed are worthless: trim(last_id) drops them now and then
+        # entries already delivered are worthless: trim(last_id) drops them now and then
         self.trim = trim
         self.trim_every_s = trim_every_s
         self._next_trim = 0.0
         self.batch = batch
         self.block_ms = block_ms
         self.retry_s = retry_s
-        self.routes: dict[str, _Inbox] = {}
+        self.inboxes: dict[str, _Inbox] = {}
         self.num_dropped = 0
         self._task: asyncio.Task | None = None
 
     def register(self, request_id: str, inbox: _Inbox) -> None:
-        self.routes[request_id] = inbox
+        self.inboxes[request_id] = inbox
 
     def unregister(self, request_id: str) -> None:
-        self.routes.pop(request_id, None)
+        self.inboxes.pop(request_id, None)
 
     @property
     def num_pending(self) -> int:
-        return len(self.routes)
+        return len(self.inboxes)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self.run(), name="gateway-collector")
@@ -75,7 +75,7 @@ class Collector:
                 await asyncio.sleep(self.retry_s)
                 continue
             for envelope in envelopes:
-                self.route(getattr(envelope, "msg", envelope))
+                self.deliver(getattr(envelope, "msg", envelope))
             if envelopes and self.trim is not None and time.monotonic() >= self._next_trim:
                 self._next_trim = time.monotonic() + self.trim_every_s
                 try:
@@ -83,11 +83,11 @@ class Collector:
                 except Exception as exc:  # trimming is housekeeping: never worth dying for
                     log.warning("reply stream trim failed: %s", exc)
 
-    def route(self, msg: Any) -> None:
+    def deliver(self, msg: Any) -> None:
         if not isinstance(msg, RequestOutput):
             log.warning("unexpected %s on the reply stream", type(msg).__name__)
             return
-        inbox = self.routes.get(msg.request_id)
+        inbox = self.inboxes.get(msg.request_id)
         if inbox is None:
             self.num_dropped += 1
             return

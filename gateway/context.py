@@ -105,7 +105,7 @@ class GatewayContext:
             if self.collector.num_pending:
                 await self.fail_if_no_engine()
             beat = heartbeat_value("gateway", self.service_id, {"num_requests": self.num_in_flight,
-                                                                "num_routes": self.collector.num_pending,
+                                                                "num_inboxes": self.collector.num_pending,
                                                                 "num_dropped": self.collector.num_dropped})
             try:
                 await self.client.hset(self.names.heartbeat, self.service_id, beat)
@@ -124,9 +124,9 @@ class GatewayContext:
             return 0
         error = ErrorInfo(message=f"no engine is alive (no heartbeat in {self.limits.heartbeat_max_age_s:g}s)",
                           type="ServiceUnavailableError", code=503)
-        request_ids = list(self.collector.routes)
+        request_ids = list(self.collector.inboxes)
         for request_id in request_ids:
-            self.collector.route(RequestOutput(request_id=request_id, finish_reason=FinishReason.ERROR, error=error))
+            self.collector.deliver(RequestOutput(request_id=request_id, finish_reason=FinishReason.ERROR, error=error))
         if request_ids:
             log.warning("no engine alive: failed %d requests in flight", len(request_ids))
         return len(request_ids)

@@ -195,14 +195,14 @@ class Stack:
             s = engine.stats
             if s.get("num_free_blocks") != s.get("num_total_blocks"):
                 problems.append(f"engine blocks in use: {s.get('num_free_blocks')}/{s.get('num_total_blocks')} free")
-            for key in ("num_running", "num_waiting", "num_requests", "num_routes"):
+            for key in ("num_running", "num_waiting", "num_requests"):
                 if s.get(key, 0):
                     problems.append(f"engine {key}={s[key]:g}")
         for service_id, beat in beats.items():
             if beat.service in ("detok", "gateway") and beat.stats.get("num_requests", 0):
                 problems.append(f"{service_id} holds {beat.stats['num_requests']:g} requests")
-            if beat.service == "gateway" and beat.stats.get("num_routes", 0):
-                problems.append(f"{service_id} routes {beat.stats['num_routes']:g} request ids")
+            if beat.service == "gateway" and beat.stats.get("num_inboxes", 0):
+                problems.append(f"{service_id} holds {beat.stats['num_inboxes']:g} inboxes")
         problems += [f"{k}: {v} pending" for k, v in self.pending().items() if v]
         return problems
 

@@ -98,7 +98,7 @@ def test_a_dead_engine_fails_its_requests_fast_and_leaves_no_state(redis_url, ti
         deadline = time.monotonic() + 10
         while True:
             beats = stack.heartbeats()
-            held = {k: b.stats.get("num_requests", 0) + b.stats.get("num_routes", 0) for k, b in beats.items()
+            held = {k: b.stats.get("num_requests", 0) + b.stats.get("num_inboxes", 0) for k, b in beats.items()
                     if b.service in ("detok", "gateway")}
             pending = stack.pending()[f"{stack.names.detok_in(0)}/detok"]
             if (not any(held.values()) and pending == 0) or time.monotonic() > deadline:
@@ -169,7 +169,7 @@ def test_requests_a_dead_engine_admitted_fail_fast_while_another_engine_serves(r
             beats = stack.heartbeats()
             alive = beats["engine-1"].stats
             problems = [k for k, b in beats.items() if b.service in ("detok", "gateway")
-                        and b.stats.get("num_requests", 0) + b.stats.get("num_routes", 0)]
+                        and b.stats.get("num_requests", 0) + b.stats.get("num_inboxes", 0)]
             if alive["num_free_blocks"] != alive["num_total_blocks"] or alive["num_requests"]:
                 problems.append(f"engine-1: {alive}")
             problems += [k for k, v in stack.pending().items() if v]

@@ -61,7 +61,7 @@ class PacedContext(ScriptedContext):
         loop = asyncio.get_running_loop()
         outs = [out for request in requests for out in self.script(request)]
         for k, out in enumerate(outs):
-            loop.call_later(self.gap_s * (k + 1), self.collector.route, out)
+            loop.call_later(self.gap_s * (k + 1), self.collector.deliver, out)
 
 
 class Server:
@@ -122,7 +122,7 @@ def test_fast_path_sends_what_the_asgi_path_sends(n):
     texts = {i: "".join(json.loads(e)["choices"][0]["text"] for e in fast[:-1]
                         if json.loads(e)["choices"] and json.loads(e)["choices"][0]["index"] == i) for i in range(n)}
     assert texts == {i: "".join(f"{t}{i}" for t in TEXTS) for i in range(n)}
-    assert not ctx.collector.routes and not ctx.aborted  # finished: nothing left, nothing aborted
+    assert not ctx.collector.inboxes and not ctx.aborted  # finished: nothing left, nothing aborted
 
 
 def test_a_stream_longer_than_the_idle_timeout_does_not_time_out():

@@ -53,7 +53,7 @@ class ScriptedContext(GatewayContext):
         loop = asyncio.get_running_loop()
         for request in requests:
             for out in self.script(request):
-                loop.call_soon(self.collector.route, out)
+                loop.call_soon(self.collector.deliver, out)
 
     def abort(self, request_ids, reason):
         self.aborted.append(tuple(request_ids))
@@ -205,7 +205,7 @@ def test_what_one_read_holds_for_a_stream_goes_out_in_one_body_write():
         sent.append(message)
 
     async def run():
-        await ctx.open()  # the script's outputs are all routed before the stream's task runs
+        await ctx.open()  # the script's outputs are all delivered before the stream's task runs
         await app({"type": "http", "method": "POST", "path": "/v1/completions", "root_path": "", "query_string": b"",
                    "headers": [(b"content-type", b"application/json")]}, receive, send)
         await ctx.close()
@@ -220,7 +220,7 @@ def test_what_one_read_holds_for_a_stream_goes_out_in_one_body_write():
 
 def test_outputs_for_unknown_requests_are_dropped(make_client):
     client, ctx = make_client(words)
-    ctx.collector.route(RequestOutput(request_id="nobody", text_delta="x"))
+    ctx.collector.deliver(RequestOutput(request_id="nobody", text_delta="x"))
     assert ctx.collector.num_dropped == 1
     assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 200
 
