@@ -36,15 +36,15 @@ class RecordingCollector(Collector):
 
     def __init__(self, reader):
         super().__init__(reader)
-        self.inboxes = []
+        self.registered = []
 
     def register(self, request_id, inbox):
         super().register(request_id, inbox)
-        self.inboxes.append(inbox)
+        self.registered.append(inbox)
 
     @property
     def num_direct(self) -> int:
-        return sum(inbox.num_direct for inbox in set(self.inboxes))
+        return sum(inbox.num_direct for inbox in set(self.registered))
 
 
 class PacedContext(ScriptedContext):
