@@ -26,10 +26,21 @@ MAX_PROMPT_TOKENS = 1 << 20
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ToolCallMessage:
+    """A tool call an assistant made earlier in the conversation, as the client sends it back."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI carries it
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ChatMessage:
     role: str
-    content: str
+    content: str = ""
     name: str | None = None
+    tool_call_id: str | None = None  # role "tool": the call this message answers
+    tool_calls: tuple[ToolCallMessage, ...] = ()  # role "assistant"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -119,6 +130,7 @@ class GenerateRequest(Message):
     sampling: SamplingParams = field(default_factory=SamplingParams)
     echo: bool = False
     cache_salt: str | None = None
+    tools: str | None = None  # the OpenAI tools, as JSON text: the chat template renders them
     arrival_time: float = 0.0
 
 

@@ -11,6 +11,8 @@ small price in a case that only hostile input reaches.) No Redis here.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 from collections.abc import Sequence
 
@@ -36,31 +38,35 @@ class ChatRenderer:
     def has_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def render_text(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+    def render_text(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+                    tools: list | None = None) -> str:
         if not messages:
             raise ProtocolError("messages must not be empty", "messages")
         if not self.has_template:
             raise ProtocolError("this model has no chat template; use /v1/completions", "messages")
         try:
             return self.tokenizer.apply_chat_template(
-                [_as_dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt)
+                [_as_dict(m) for m in messages], tools=tools, tokenize=False,
+                add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # jinja raises its own errors (raise_exception in templates)
             raise ProtocolError(f"chat template failed: {exc}", "messages") from None
 
     def holds_special_text(self, messages: Sequence[ChatMessage]) -> bool:
         return self._specials is not None and any(self._specials.search(m.content) for m in messages)
 
-    def encode(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
-        """(rendered text, token ids) for one conversation."""
-        text = self.render_text(messages, add_generation_prompt)
+    def encode(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+               tools: list | None = None) -> tuple[str, list[int]]:
+        """(rendered text, token ids) for one conversation (and the tools it may call)."""
+        text = self.render_text(messages, add_generation_prompt, tools)
         if not self.holds_special_text(messages):
             return text, self.tokenizer.encode(text, add_special_tokens=False)
-        return text, self.encode_guarded(messages, add_generation_prompt)
+        return text, self.encode_guarded(messages, add_generation_prompt, tools)
 
-    def encode_guarded(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    def encode_guarded(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+                       tools: list | None = None) -> list[int]:
         """Render with placeholders, then encode template text and user contents separately."""
-        slots = [ChatMessage(role=m.role, content=f"\ue000{i}\ue001", name=m.name) for i, m in enumerate(messages)]
-        pieces = _SLOT.split(self.render_text(slots, add_generation_prompt))
+        slots = [dataclasses.replace(m, content=f"\ue000{i}\ue001") for i, m in enumerate(messages)]
+        pieces = _SLOT.split(self.render_text(slots, add_generation_prompt, tools))
         ids: list[int] = []
         for k, piece in enumerate(pieces):
             if k % 2 == 0:  # the template's own text
@@ -74,7 +80,21 @@ class ChatRenderer:
 
 
 def _as_dict(message: ChatMessage) -> dict:
-    out = {"role": message.role, "content": message.content}
+    """A message as transformers' chat templates take it (tool call arguments as a mapping)."""
+    out: dict = {"role": message.role, "content": message.content}
     if message.name is not None:
         out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
+                             for c in message.tool_calls]
     return out
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # a template that wants a mapping gets the text; most print it either way

@@ -6,6 +6,7 @@ text prompts is encoded in one call (the Rust tokenizer spreads it over threads)
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,8 +60,12 @@ class PromptEncoder:
             if given != 1:
                 raise ProtocolError("give exactly one of prompt, prompt_token_ids or messages", "prompt")
             r.sampling.validate(self.vocab_size)
+            if r.sampling.structured_outputs is not None:
+                from shared.grammar import validate_constraint  # xgrammar (and torch): only when used
+
+                validate_constraint(r.sampling.structured_outputs)
             if r.messages is not None:
-                w.text, w.ids = self.chat.encode(r.messages, r.add_generation_prompt)
+                w.text, w.ids = self.chat.encode(r.messages, r.add_generation_prompt, _tools(r.tools))
             elif r.prompt_token_ids is not None:
                 w.ids = list(r.prompt_token_ids)
                 if not all(0 <= t < self.vocab_size for t in w.ids):
@@ -101,3 +106,15 @@ class PromptEncoder:
             request_id=r.request_id, reply_to=r.reply_to, prompt_token_ids=tuple(w.ids), sampling=s,
             detok=detok, cache_salt=r.cache_salt, arrival_time=r.arrival_time)))
         return out
+
+
+def _tools(text: str | None) -> list | None:
+    if text is None:
+        return None
+    try:
+        tools = json.loads(text)
+    except ValueError:
+        raise ProtocolError("tools must be JSON", "tools") from None
+    if not isinstance(tools, list):
+        raise ProtocolError("tools must be an array", "tools")
+    return tools
