@@ -213,12 +213,16 @@ class CupyAttentionBackend:
                              (COPY_THREADS, 1, 1), args)
 
     # ------------------------------------------------------------------ reads
-    def paged_decode(self, query, k_cache, v_cache, block_tables, context_lens, scale):
+    def _read_inputs(self, query, k_cache, v_cache, block_tables):
+        """The pool's config and device, the query in the pool's dtype and its own dtype (the
+        output's), after checking the block table."""
         config, device = self._cache_config(k_cache, v_cache)
-        out_dtype = query.dtype
-        query = self._query(query, k_cache)
-        num_seqs, num_heads, num_kv_heads = query.shape[0], query.shape[1], k_cache.shape[2]
         _check(block_tables, "block_tables", ndim=2, dtype=torch.int32, device=device)
+        return config, device, self._query(query, k_cache), query.dtype
+
+    def paged_decode(self, query, k_cache, v_cache, block_tables, context_lens, scale):
+        config, device, query, out_dtype = self._read_inputs(query, k_cache, v_cache, block_tables)
+        num_seqs, num_heads, num_kv_heads = query.shape[0], query.shape[1], k_cache.shape[2]
         _check(context_lens, "context_lens", ndim=1, dtype=torch.int32, device=device)
         if block_tables.shape[0] != num_seqs or context_lens.shape[0] != num_seqs:
             raise ValueError("query, block_tables and context_lens disagree on the number of sequences")
@@ -248,11 +252,8 @@ class CupyAttentionBackend:
         return out.to(out_dtype)
 
     def paged_prefill(self, query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale):
-        config, device = self._cache_config(k_cache, v_cache)
-        out_dtype = query.dtype
-        query = self._query(query, k_cache)
+        config, device, query, out_dtype = self._read_inputs(query, k_cache, v_cache, block_tables)
         num_tokens, num_heads, num_kv_heads = query.shape[0], query.shape[1], k_cache.shape[2]
-        _check(block_tables, "block_tables", ndim=2, dtype=torch.int32, device=device)
         _check(query_start_loc, "query_start_loc", ndim=1, dtype=torch.int32, device=device)
         _check(context_lens, "context_lens", ndim=1, dtype=torch.int32, device=device)
         num_seqs = context_lens.shape[0]
