@@ -1,12 +1,13 @@
 """OpenAI tool calling: the schema that forces a call, and the Hermes parser that finds calls in text.
 
 ``tool_choice`` "required" or a named function constrains generation with a JSON schema
-(:func:`structured_outputs_for_tool_choice`), and the constrained text is then read back with
-:func:`tool_calls_from_required` / :func:`tool_call_from_named`. ``tool_choice`` "auto" leaves the
-model free; its ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks are found by
-:func:`parse_tool_calls` (a finished text) or a :class:`HermesToolParser` fed text deltas. Both use
-one JSON scanner (``gateway/json_scanner.py``) so they cut the same ``arguments`` text. Pure:
-standard library and ``shared`` only.
+(:func:`structured_outputs_for_tool_choice`), and the constrained text is then read back, whole or
+as it streams, by a :class:`RequiredToolParser` / :class:`NamedToolParser` (:func:`read_all` runs
+one over a finished text, so a response and a stream carry the same calls).
+``tool_choice`` "auto" leaves the model free; its ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
+blocks are found by :func:`parse_tool_calls` (a finished text) or a :class:`HermesToolParser` fed text
+deltas. All use one JSON scanner (``gateway/json_scanner.py``) so they cut the same ``arguments``
+text. Pure: standard library and ``shared`` only.
 """
 
 from __future__ import annotations
@@ -123,18 +124,19 @@ def named_tool_schema(tools: Sequence[Mapping], name: str | None) -> dict[str, A
 
 
 def tool_calls_from_required(text: str, new_id: Callable[[], str] = new_tool_call_id) -> tuple[ToolCall, ...]:
-    """The calls in text generated under required_tool_schema; ValueError if it is not that shape."""
-    items = json.loads(text)
-    if not isinstance(items, list) or not all(isinstance(x, dict) and isinstance(x.get("name"), str) for x in items):
+    """The calls in text generated under required_tool_schema, arguments as generated; ValueError if
+    it is not a whole JSON array of ``{"name": ..., "arguments": ...}`` objects."""
+    parser = RequiredToolParser(new_id)
+    parsed = read_all(parser, text)
+    if parsed.content is not None or not parser.is_complete:
         raise ValueError("expected a JSON array of {name, arguments} objects")
-    return tuple(ToolCall(id=new_id(), name=item["name"],
-                          arguments=json.dumps(item.get("arguments", {}), ensure_ascii=False)) for item in items)
+    return parsed.tool_calls
 
 
 def tool_call_from_named(name: str, text: str, new_id: Callable[[], str] = new_tool_call_id) -> ToolCall:
     """The call of text generated under named_tool_schema (its arguments, as generated)."""
     json.loads(text)  # a ValueError here means the constraint was not applied
-    return ToolCall(id=new_id(), name=name, arguments=text.strip())
+    return read_all(NamedToolParser(name, new_id), text).tool_calls[0]
 
 
 def _functions(tools: Sequence[Mapping]) -> dict[str, dict[str, Any]]:
@@ -180,7 +182,31 @@ def parse_tool_calls(text: str, new_id: Callable[[], str] = new_tool_call_id) ->
     return ParsedToolCalls(content=content or None, tool_calls=tuple(calls))
 
 
-class HermesToolParser:
+class _CallStream:
+    """What every streaming parser shares: the id source, the number of calls begun, and how a
+    call's block releases its id and name (once the name string closes), then its arguments."""
+
+    def __init__(self, new_id: Callable[[], str]):
+        self._new_id = new_id
+        self.num_calls = 0
+
+    def _send_progress(self, block: _Block, out: _Collector) -> None:
+        scanner = block.scanner
+        if block.index is None:
+            name = scanner.member("name")
+            if not isinstance(name, str):
+                return
+            block.index, self.num_calls = self.num_calls, self.num_calls + 1
+            out.call(ToolCallDelta(index=block.index, id=self._new_id(), name=name))
+        arguments = scanner.arguments(partial=True)
+        if arguments is None and scanner.done:
+            arguments = "{}"
+        if arguments and len(arguments) > block.num_sent:
+            out.call(ToolCallDelta(index=block.index, arguments=arguments[block.num_sent:]))
+            block.num_sent = len(arguments)
+
+
+class HermesToolParser(_CallStream):
     """Owns the streaming state of one choice: the outside text it holds back (trailing whitespace,
     a possible partial ``<tool_call>``) and the block being read; it releases content and call
     pieces as soon as they are certain, and each call's id and name before its arguments.
@@ -192,10 +218,9 @@ class HermesToolParser:
     """
 
     def __init__(self, new_id: Callable[[], str] = new_tool_call_id):
-        self._new_id = new_id
+        super().__init__(new_id)
         self._held = ""
         self._block: _Block | None = None
-        self.num_calls = 0
 
     def feed(self, text: str) -> StreamDelta:
         out = _Collector()
@@ -252,20 +277,113 @@ class HermesToolParser:
             out.content(START + block.scanner.text)
         return rest
 
-    def _send_progress(self, block: _Block, out: _Collector) -> None:
-        scanner = block.scanner
-        if block.index is None:
-            name = scanner.member("name")
-            if not isinstance(name, str):
-                return
-            block.index, self.num_calls = self.num_calls, self.num_calls + 1
-            out.call(ToolCallDelta(index=block.index, id=self._new_id(), name=name))
-        arguments = scanner.arguments(partial=True)
-        if arguments is None and scanner.done:
-            arguments = "{}"
-        if arguments and len(arguments) > block.num_sent:
-            out.call(ToolCallDelta(index=block.index, arguments=arguments[block.num_sent:]))
-            block.num_sent = len(arguments)
+
+
+# --------------------------------------------------------------------------- reading forced calls
+
+_OPEN, _ITEM, _AFTER, _CLOSED, _CONTENT = range(5)  # where a RequiredToolParser stands in its array
+
+
+class RequiredToolParser(_CallStream):
+    """Owns the streaming state of one choice generated under required_tool_schema: where it stands
+    in the array (before ``[``, before an item, after one, after ``]``) and the item being read. Each
+    item's id and name go out once its name closes, its arguments as they grow. Text the array's
+    grammar does not allow (only a client's own constraint-free text could hold it) is content,
+    from the first such character on."""
+
+    def __init__(self, new_id: Callable[[], str] = new_tool_call_id):
+        super().__init__(new_id)
+        self._state = _OPEN
+        self._block: _Block | None = None
+
+    @property
+    def is_complete(self) -> bool:
+        return self._state == _CLOSED
+
+    def feed(self, text: str) -> StreamDelta:
+        out = _Collector()
+        while text:
+            text = self._feed_item(text, out) if self._block else self._feed_between(text, out)
+        return out.delta()
+
+    def finish(self) -> StreamDelta:
+        """Nothing is held back between items; a call cut short ends with the arguments sent so far."""
+        self._block = None
+        return StreamDelta()
+
+    def _feed_between(self, text: str, out: _Collector) -> str:
+        rest = text.lstrip()
+        if not rest:
+            return ""
+        c, state = rest[0], self._state
+        if state == _OPEN and c == "[":
+            self._state = _ITEM
+        elif state == _ITEM and c == "{":
+            self._block = _Block()
+            return rest  # the item's scanner reads its own "{"
+        elif state == _AFTER and c in ",]":
+            self._state = _ITEM if c == "," else _CLOSED
+        else:
+            self._state = _CONTENT
+            out.content(text if state == _CONTENT else rest)
+            return ""
+        return rest[1:]
+
+    def _feed_item(self, text: str, out: _Collector) -> str:
+        block = self._block
+        consumed = block.scanner.feed(text)
+        if block.scanner.error or (block.scanner.done and not isinstance(block.scanner.member("name"), str)):
+            self._block, self._state = None, _CONTENT
+            out.content(("" if block.index is not None else block.scanner.text) + text[consumed:])
+            return ""
+        self._send_progress(block, out)
+        if block.scanner.done:
+            self._block, self._state = None, _AFTER
+        return text[consumed:]
+
+
+class NamedToolParser:
+    """Owns the streaming state of one choice generated under named_tool_schema: the whole text is
+    the arguments of one call to `name`. The call's id and name go out with the first feed, the
+    text as it comes, less whitespace before it and (held back until more text follows) after it."""
+
+    def __init__(self, name: str, new_id: Callable[[], str] = new_tool_call_id):
+        self.name = name
+        self._new_id = new_id
+        self._held = ""
+        self._num_sent = 0
+        self.num_calls = 0
+
+    def feed(self, text: str) -> StreamDelta:
+        out = _Collector()
+        if self.num_calls == 0:
+            self.num_calls = 1
+            out.call(ToolCallDelta(index=0, id=self._new_id(), name=self.name))
+        text = self._held + text
+        if not self._num_sent:
+            text = text.lstrip()
+        body = text.rstrip()
+        self._held = text[len(body):]
+        if body:
+            out.call(ToolCallDelta(index=0, arguments=body))
+            self._num_sent += len(body)
+        return out.delta()
+
+    def finish(self) -> StreamDelta:
+        self._held = ""
+        return StreamDelta()
+
+
+def read_all(parser: RequiredToolParser | NamedToolParser | HermesToolParser, text: str) -> ParsedToolCalls:
+    """A finished text through a fresh streaming parser: the content and the calls its deltas add up to."""
+    deltas = (parser.feed(text), parser.finish())
+    calls: dict[int, dict[str, str]] = {}
+    for piece in (c for d in deltas for c in d.tool_calls):
+        call = calls.setdefault(piece.index, {"id": piece.id or "", "name": piece.name or "", "arguments": ""})
+        call["arguments"] += piece.arguments
+    content = "".join(d.content for d in deltas)
+    return ParsedToolCalls(content=content or None,
+                           tool_calls=tuple(ToolCall(**calls[i]) for i in sorted(calls)))
 
 
 class _Block:
