@@ -91,6 +91,11 @@ class GatewayConfig:
     num_detok_shards: int = 1
     max_model_len: int | None = None
     gateway_id: str | None = None  # None: a fresh random id at start
+    # tool calling and structured outputs (vLLM's flags): "auto" tool choice parses calls out of the
+    # text with tool_call_parser, and only when enable_auto_tool_choice is set
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # hermes
+    disable_any_whitespace: bool = False  # JSON constraints allow no free whitespace
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -36,6 +36,14 @@ def parse_size(text: str) -> int:
     return int(float(t[:-1] if scale > 1 else t) * scale)
 
 
+def parse_bool(text: str) -> bool:
+    """A boolean flag's value, as vLLM's dotted config flags take it (``--x.y true``)."""
+    value = text.strip().lower()
+    if value not in ("true", "false", "1", "0", "yes", "no"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value in ("true", "1", "yes")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Flag:
     """One command-line flag: the config field it fills (found by name in the command's config,
@@ -96,6 +104,15 @@ FLAGS: tuple[Flag, ...] = (
          help="seconds without any reply after which a request fails (503) and is aborted"),
     Flag(name="--max-body-bytes", field="max_body_bytes", parse=int, used_by=GATEWAY),
     Flag(name="--max-pending-requests", field="max_pending_requests", parse=int, used_by=GATEWAY),
+    Flag(name="--enable-auto-tool-choice", field="enable_auto_tool_choice", parse=None, used_by=GATEWAY,
+         help='tool_choice "auto" (the default when a request has tools): calls are parsed out of the text '
+              "with --tool-call-parser; without this flag such a request is a 400"),
+    Flag(name="--tool-call-parser", field="tool_call_parser", parse=str, used_by=GATEWAY, choices=("hermes",),
+         help="hermes: <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>"),
+    Flag(name="--structured-outputs-config.disable_any_whitespace", field="disable_any_whitespace",
+         parse=parse_bool, used_by=GATEWAY,
+         help="true: JSON constraints (schemas, json_object, forced tool calls) allow no free whitespace "
+              "(vLLM's spelling; the value is required: true or false)"),
     # the tokenizer and the detokenizer
     Flag(name="--batch-size", field="batch_size", parse=int, used_by=frozenset({"tokenizer"})),
     Flag(name="--shard", field="shard", parse=int, used_by=frozenset({"detok"}), env="DETOK_SHARD"),

@@ -26,7 +26,7 @@ def _sample(flag: flags.Flag) -> tuple[list[str], object]:
     """A command line giving ``flag`` a value other than its default, and that value typed."""
     if flag.parse is None:
         return ["--no-" + flag.name[2:]], False
-    text = {int: "7", float: "0.25", flags.parse_size: "2M"}.get(flag.parse, "x")
+    text = {int: "7", float: "0.25", flags.parse_size: "2M", flags.parse_bool: "true"}.get(flag.parse, "x")
     text = flag.choices[-1] if flag.choices else text
     return [flag.name, text], flag.parse(text)
 
