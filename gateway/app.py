@@ -25,7 +25,8 @@ from gateway.auth import APIKeyMiddleware
 from gateway.config import accepts_model
 from gateway.context import GatewayContext
 from gateway.errors import APIError, not_found_model
-from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ServerOptions,
+                                     TokenizeRequest)
 from gateway.renderer import ChatCompletionRenderer, TextCompletionRenderer
 from gateway.responder import Responder
 from gateway.submission import Submission
@@ -51,12 +52,15 @@ class Endpoints:
         self.config = ctx.config
         self.limits = ctx.limits
         self.metrics = metrics
+        self.options = ServerOptions(
+            disable_any_whitespace=self.config.disable_any_whitespace,
+            tool_call_parser=self.config.tool_call_parser if self.config.enable_auto_tool_choice else None)
 
     # ----------------------------------------------------------------- generation
     async def completions(self, request: Request):
         body = await self._parse(request, CompletionRequest)
         prompts = body.prompts()
-        params = body.sampling_params()
+        params = body.sampling_params(self.options)
         for prompt in prompts:
             if isinstance(prompt, tuple):
                 self._check_prompt_len(len(prompt))
@@ -72,11 +76,13 @@ class Endpoints:
     async def chat_completions(self, request: Request):
         body = await self._parse(request, ChatCompletionRequest)
         messages = body.chat_messages()
-        params = body.sampling_params()
+        tools = body.tool_policy(self.options)
+        params = body.sampling_params(self.options, tools)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         requests = [self._bus_request(f"{response_id}-0", params, messages=messages, cache_salt=body.cache_salt,
-                                  add_generation_prompt=body.add_generation_prompt)]
-        renderer = ChatCompletionRenderer(response_id, self.ctx.model_name, want_logprobs=body.logprobs)
+                                  add_generation_prompt=body.add_generation_prompt, tools=body.tools_json())]
+        renderer = ChatCompletionRenderer(response_id, self.ctx.model_name, want_logprobs=body.logprobs,
+                                          tools=tools)
         return await self._submit(requests, renderer, body)
 
     def _bus_request(self, request_id: str, params, **fields) -> GenerateRequest:
@@ -87,7 +93,7 @@ class Endpoints:
         if self.ctx.num_in_flight >= self.limits.max_pending_requests:
             raise APIError(429, "too many requests in flight; retry later")
         submission = Submission(self.ctx, requests, idle_timeout_s=self.limits.idle_timeout_s,
-                                echo_texts=echo_texts)
+                                echo_texts=echo_texts, param_names=body.param_names())
         await submission.start()
         self.ctx.num_in_flight += 1
         return Responder(submission, renderer, stream=body.stream, include_usage=body.include_usage,

@@ -12,8 +12,9 @@ class ChoiceState:
     """Owns the text, the number of tokens and the logprobs received so far for one choice index.
 
     Delivery on the bus is at-least-once, so a RequestOutput whose ``seq`` was already applied
-    is ignored (``add`` returns False). The renderer alone writes ``is_started`` and
-    ``logprob_offset`` (where the streamed completions ``text_offset`` stands).
+    is ignored (``add`` returns False). The renderer alone writes ``is_started``,
+    ``logprob_offset`` (where the streamed completions ``text_offset`` stands) and ``tool_parser``
+    (a streamed chat choice's own tool-call parser, when the request reads calls).
     """
 
     index: int
@@ -27,6 +28,7 @@ class ChoiceState:
     # streaming bookkeeping: whether the echo / the assistant role went out, where logprobs stand
     is_started: bool = False
     logprob_offset: int = 0
+    tool_parser: object | None = None
 
     @property
     def is_finished(self) -> bool:

@@ -10,6 +10,7 @@ is wrong", whether pydantic or ``SamplingParams.validate`` found it.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 from pydantic import ValidationError
 from starlette.responses import Response
@@ -43,6 +44,11 @@ class APIError(Exception):
         status = info.code if 400 <= info.code <= 599 else 500
         return cls(status, info.message, info.param, info.type)
 
+    def renamed(self, names: Mapping[str, str]) -> APIError:
+        """This error naming the parameter by the field the client used (``names``: old -> new)."""
+        param, message = rename_param(self.param, self.message, names)
+        return self if param == self.param else APIError(self.status, message, param, self.type)
+
     @classmethod
     def from_protocol(cls, exc: ProtocolError) -> APIError:
         return cls(getattr(exc, "code", 400), exc.message, exc.param)
@@ -65,6 +71,15 @@ class APIError(Exception):
 
     def sse_event(self) -> bytes:
         return f"data: {json.dumps(self.body())}\n\n".encode()
+
+
+def rename_param(param: str | None, message: str, names: Mapping[str, str]) -> tuple[str | None, str]:
+    """(param, message) with a parameter the services name (``structured_outputs.json``) replaced by
+    the field the client set (``response_format.json_schema.schema``), also where the message opens with it."""
+    if param not in names:
+        return param, message
+    new = names[param]
+    return new, new + message[len(param):] if message.startswith(param + ":") else message
 
 
 def _is_union_tag(part: object) -> bool:

@@ -28,10 +28,14 @@ from gateway.openai_protocol import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    FunctionCall,
     PromptTokensDetails,
+    ToolCallOut,
     TopLogprob,
     UsageInfo,
 )
+from gateway.tool_calls import StreamDelta
+from gateway.tool_choice import NO_TOOLS, ToolPolicy
 from shared.protocol import RequestOutput, TextLogprobs
 
 
@@ -78,12 +82,14 @@ class ResponseRenderer:
         self.want_logprobs = want_logprobs
         self.created = int(time.time())
         self._text_template: tuple[bytes, bytes, bytes] | None = None
+        self.has_plain_text_deltas = True  # False: every text delta is read (tool calls), never sent as is
 
     def text_event(self, choice: ChoiceState, out: RequestOutput) -> bytes | None:
         """The SSE event of a plain text delta -- the hot path while streaming -- filled into the
         bytes of a chunk the pydantic model rendered once; None when the chunk needs the model
         (a choice's first chunk, logprobs, the finish)."""
-        if self.want_logprobs or not choice.is_started or not out.text_delta or out.finish_reason is not None:
+        if self.want_logprobs or not self.has_plain_text_deltas or not choice.is_started or not out.text_delta \
+                or out.finish_reason is not None:
             return None
         if self._text_template is None:
             rendered = sse(self._plain_text_chunk(_INDEX, _TEXT))
@@ -149,7 +155,14 @@ class TextCompletionRenderer(ResponseRenderer):
 
 
 class ChatCompletionRenderer(ResponseRenderer):
-    """``chat.completion`` objects; each streamed choice opens with a role-only delta."""
+    """``chat.completion`` objects; each streamed choice opens with a role-only delta. Under a tool
+    policy that reads calls, each choice's text goes through its own parser: content and
+    ``tool_calls`` (whole, or as OpenAI's call deltas while streaming)."""
+
+    def __init__(self, response_id: str, model: str, *, want_logprobs: bool, tools: ToolPolicy = NO_TOOLS):
+        super().__init__(response_id, model, want_logprobs=want_logprobs)
+        self.tools = tools
+        self.has_plain_text_deltas = not tools.reads_calls
 
     def response(self, choices: Sequence[ChoiceState], usage: UsageInfo) -> ChatCompletionResponse:
         return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model, usage=usage,
@@ -157,8 +170,16 @@ class ChatCompletionRenderer(ResponseRenderer):
 
     def _full_choice(self, choice: ChoiceState) -> ChatChoice:
         logprobs = chat_logprobs(choice.logprobs) if self.want_logprobs else None
-        return ChatChoice(index=choice.index, message=ChatMessageOut(content=choice.text), logprobs=logprobs,
-                          finish_reason=choice.finish_reason_str, stop_reason=choice.stop_reason)
+        if not self.tools.reads_calls:
+            message, finish = ChatMessageOut(content=choice.text), choice.finish_reason_str
+        else:
+            parsed = self.tools.read(choice.text)
+            calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+                     for c in parsed.tool_calls]
+            message = ChatMessageOut(content=parsed.content, tool_calls=calls or None)
+            finish = self.tools.finish_reason(choice.finish_reason_str, len(calls))
+        return ChatChoice(index=choice.index, message=message, logprobs=logprobs, finish_reason=finish,
+                          stop_reason=choice.stop_reason)
 
     def chunks(self, choice: ChoiceState, out: RequestOutput) -> list[ChatCompletionChunk]:
         chunks = []
@@ -167,12 +188,28 @@ class ChatCompletionRenderer(ResponseRenderer):
             chunks.append(self._chunk(ChatChunkChoice(index=choice.index,
                                                       delta=DeltaMessage(role="assistant", content=""))))
         logprobs = chat_logprobs(out.logprobs) if self.want_logprobs and out.logprobs else None
-        if out.text_delta or logprobs is not None or out.finish_reason is not None:
-            finish = choice.finish_reason_str if out.finish_reason is not None else None
-            delta = DeltaMessage(content=out.text_delta) if out.text_delta else DeltaMessage()
+        delta, finish = self._delta(choice, out)
+        if delta.content or delta.tool_calls or logprobs is not None or finish is not None:
             chunks.append(self._chunk(ChatChunkChoice(index=choice.index, delta=delta, logprobs=logprobs,
                                                       finish_reason=finish, stop_reason=out.stop_reason)))
         return chunks
+
+    def _delta(self, choice: ChoiceState, out: RequestOutput) -> tuple[DeltaMessage, str | None]:
+        """One output's delta message and finish_reason: its text as is, or what the choice's parser releases."""
+        finished = out.finish_reason is not None
+        if not self.tools.reads_calls:
+            delta = DeltaMessage(content=out.text_delta) if out.text_delta else DeltaMessage()
+            return delta, choice.finish_reason_str if finished else None
+        if choice.tool_parser is None:
+            choice.tool_parser = self.tools.parser()
+        parser = choice.tool_parser
+        pieces = [parser.feed(out.text_delta) if out.text_delta else StreamDelta()]
+        if finished:
+            pieces.append(parser.finish())
+        content = "".join(p.content for p in pieces)
+        calls = [c.to_openai() for p in pieces for c in p.tool_calls]
+        finish = self.tools.finish_reason(choice.finish_reason_str, parser.num_calls) if finished else None
+        return DeltaMessage(content=content or None, tool_calls=calls or None), finish
 
     def _plain_text_chunk(self, index: int, text: str) -> ChatCompletionChunk:
         return self._chunk(ChatChunkChoice(index=index, delta=DeltaMessage(content=text)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from gateway.choice import ChoiceState, PromptState
@@ -42,8 +42,9 @@ class Submission:
     """
 
     def __init__(self, bus: _Bus, requests: Sequence[GenerateRequest], *, idle_timeout_s: float,
-                 echo_texts: Sequence[str | None] | None = None):
+                 echo_texts: Sequence[str | None] | None = None, param_names: Mapping[str, str] | None = None):
         self.bus = bus
+        self.param_names = param_names or {}  # a service's parameter name -> the client's (errors)
         self.requests = list(requests)
         self.idle_timeout_s = idle_timeout_s
         self.n = self.requests[0].sampling.n
@@ -143,7 +144,7 @@ class Submission:
                     if applied:  # the client gets what came first, then the error
                         self._inbox[:0] = outs[k:]
                         return applied
-                    raise APIError.from_info(out.error)
+                    raise APIError.from_info(out.error).renamed(self.param_names)
                 choice = self._apply(out)
                 if choice is not None:
                     applied.append((choice, out))

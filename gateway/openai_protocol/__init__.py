@@ -10,8 +10,12 @@ from gateway.openai_protocol.request_bodies import (
     CompletionRequest,
     ContentPart,
     DetokenizeRequest,
+    ResponseFormat,
+    ServerOptions,
     StreamOptions,
+    StructuredOutputsBody,
     TokenizeRequest,
+    Tool,
 )
 from gateway.openai_protocol.response_bodies import (
     ChatChoice,
@@ -26,7 +30,9 @@ from gateway.openai_protocol.response_bodies import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    FunctionCall,
     PromptTokensDetails,
+    ToolCallOut,
     TopLogprob,
     UsageInfo,
 )
@@ -49,9 +55,15 @@ __all__ = [
     "ContentPart",
     "DeltaMessage",
     "DetokenizeRequest",
+    "FunctionCall",
     "PromptTokensDetails",
+    "ResponseFormat",
+    "ServerOptions",
     "StreamOptions",
+    "StructuredOutputsBody",
     "TokenizeRequest",
+    "Tool",
+    "ToolCallOut",
     "TopLogprob",
     "UsageInfo",
 ]

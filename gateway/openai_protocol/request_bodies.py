@@ -4,15 +4,26 @@ chat messages, SamplingParams).
 Pydantic checks only shapes and types here; ranges (temperature in [0, 2], n >= 1, ...) are
 checked by ``shared.protocol.SamplingParams.validate`` so that the gateway and the engine refuse
 exactly the same things with the same messages. Unknown fields are ignored, as vLLM does.
+
+A constraint (``response_format``, vLLM's ``structured_outputs``, or a forced tool call) gets the
+cheap checks here (one constraint, a schema that is JSON, a tool that exists); whether xgrammar can
+parse it is the tokenizer's check, whose error names ``structured_outputs.<kind>`` and is renamed to
+the field this client used (``param_names``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from shared.protocol import ChatMessage, ProtocolError, SamplingParams
+from gateway.errors import rename_param
+from gateway.tool_choice import NO_TOOLS, ToolPolicy, tool_policy
+from shared.protocol import ChatMessage, ProtocolError, SamplingParams, ToolCallMessage
+from shared.structured import StructuredOutputs
 
 TokenIds = list[int]
 
@@ -23,8 +34,48 @@ class _RequestBody(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerOptions:
+    """The server's flags that a request body is read under (from GatewayConfig)."""
+
+    disable_any_whitespace: bool = False  # --structured-outputs-config.disable_any_whitespace
+    tool_call_parser: str | None = None  # set only with --enable-auto-tool-choice: "auto" parses with it
+
+
 class StreamOptions(_RequestBody):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_RequestBody):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(_RequestBody):
+    """OpenAI's ``response_format``; vLLM's structural tags are not supported."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_RequestBody):
+    """vLLM's ``structured_outputs`` extra: exactly one of json (a schema), regex, choice, grammar, json_object."""
+
+    json_schema: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def constraint(self) -> StructuredOutputs:
+        schema = self.json_schema
+        text = schema if isinstance(schema, str) or schema is None else json.dumps(schema, ensure_ascii=False)
+        return StructuredOutputs(json=text, json_object=bool(self.json_object), regex=self.regex,
+                                 choice=None if self.choice is None else tuple(self.choice), grammar=self.grammar,
+                                 disable_any_whitespace=self.disable_any_whitespace)
 
 
 class _SamplingFields(_RequestBody):
@@ -54,8 +105,50 @@ class _SamplingFields(_RequestBody):
     use_beam_search: bool = False  # vLLM's extra: n beams, returned when the search ends
     length_penalty: float = 1.0
     early_stopping: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    @property
+    def has_constraint(self) -> bool:
+        fmt = self.response_format
+        return self.structured_outputs is not None or (fmt is not None and fmt.type != "text")
+
+    def param_names(self) -> dict[str, str]:
+        """``structured_outputs.*`` parameter -> the field this request set (an error names the latter)."""
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return {}
+        if fmt.type == "json_object":
+            return {"structured_outputs.json_object": "response_format", "structured_outputs": "response_format"}
+        return {"structured_outputs.json": "response_format.json_schema.schema", "structured_outputs": "response_format"}
+
+    def constraint(self, options: ServerOptions) -> StructuredOutputs | None:
+        """The constraint of ``response_format`` or ``structured_outputs`` (not both), checked."""
+        fmt, body = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.type != "text" and body is not None:
+            raise ProtocolError("give response_format or structured_outputs, not both", "structured_outputs")
+        if body is not None:
+            constraint = body.constraint()
+        elif fmt is None or fmt.type == "text":
+            return None
+        elif fmt.type == "json_object":
+            constraint = StructuredOutputs(json_object=True)
+        elif fmt.json_schema is None:
+            raise ProtocolError("response_format.json_schema is required when its type is json_schema",
+                                "response_format.json_schema")
+        else:
+            schema = {} if fmt.json_schema.json_schema is None else fmt.json_schema.json_schema
+            constraint = StructuredOutputs(json=json.dumps(schema, ensure_ascii=False))
+        if options.disable_any_whitespace:
+            constraint = dataclasses.replace(constraint, disable_any_whitespace=True)
+        try:
+            return constraint.validate()
+        except ProtocolError as exc:
+            param, message = rename_param(exc.param, exc.message, self.param_names())
+            raise ProtocolError(message, param) from None
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None,
+                  constraint: StructuredOutputs | None = None) -> SamplingParams:
         """The SamplingParams this request asks for, validated (raises ProtocolError)."""
         if self.stream_options is not None and not self.stream:
             raise ProtocolError("stream_options can only be set when stream is true", "stream_options")
@@ -82,6 +175,7 @@ class _SamplingFields(_RequestBody):
             use_beam_search=self.use_beam_search,
             length_penalty=self.length_penalty,
             early_stopping=self.early_stopping,
+            structured_outputs=constraint,
         )
         return params.validate()
 
@@ -126,12 +220,12 @@ class CompletionRequest(_SamplingFields):
             raise ProtocolError("prompt must not be empty", "prompt")
         return items
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, options: ServerOptions = ServerOptions()) -> SamplingParams:
         if self.suffix is not None:
             raise ProtocolError("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise ProtocolError("best_of is not supported", "best_of")
-        return self._sampling(self.max_tokens, self.logprobs)
+        return self._sampling(self.max_tokens, self.logprobs, self.constraint(options))
 
 
 class ContentPart(_RequestBody):
@@ -139,10 +233,25 @@ class ContentPart(_RequestBody):
     text: str | None = None
 
 
+class FunctionCallIn(_RequestBody):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_RequestBody):
+    """A call an earlier assistant turn made, sent back with the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessageIn(_RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # role "assistant"
+    tool_call_id: str | None = None  # role "tool": the call this message answers
 
     def to_message(self) -> ChatMessage:
         content = self.content
@@ -150,7 +259,31 @@ class ChatMessageIn(_RequestBody):
             if any(part.type != "text" for part in content):
                 raise ProtocolError("only text content parts are supported", "messages")
             content = "".join(part.text or "" for part in content)
-        return ChatMessage(role=self.role, content=content or "", name=self.name)
+        calls = tuple(ToolCallMessage(id=c.id, name=c.function.name, arguments=c.function.arguments)
+                      for c in self.tool_calls or ())
+        return ChatMessage(role=self.role, content=content or "", name=self.name, tool_call_id=self.tool_call_id,
+                           tool_calls=calls)
+
+
+class FunctionDefinition(_RequestBody):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the parameters are enforced whenever a call is forced
+
+
+class Tool(_RequestBody):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_RequestBody):
+    name: str
+
+
+class NamedToolChoice(_RequestBody):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -162,20 +295,46 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def chat_messages(self) -> tuple[ChatMessage, ...]:
         if not self.messages:
             raise ProtocolError("messages must not be empty", "messages")
         return tuple(m.to_message() for m in self.messages)
 
-    def sampling_params(self) -> SamplingParams:
+    def tool_list(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template takes them (transformers' ``tools=``)."""
+        return None if self.tools is None else [t.model_dump(by_alias=True, exclude_none=True) for t in self.tools]
+
+    def tools_json(self) -> str | None:
+        """What GenerateRequest.tools carries: every tool, whatever tool_choice says (as vLLM renders them)."""
+        return None if not self.tools else json.dumps(self.tool_list(), ensure_ascii=False)
+
+    def tool_policy(self, options: ServerOptions = ServerOptions()) -> ToolPolicy:
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            choice = choice.model_dump()
+        return tool_policy(self.tool_list(), choice, self.parallel_tool_calls, tool_call_parser=options.tool_call_parser,
+                           disable_any_whitespace=options.disable_any_whitespace)
+
+    def param_names(self) -> dict[str, str]:
+        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
+            return {"structured_outputs.json": "tools", "structured_outputs": "tool_choice"}
+        return super().param_names()
+
+    def sampling_params(self, options: ServerOptions = ServerOptions(), tools: ToolPolicy = NO_TOOLS) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ProtocolError("top_logprobs needs logprobs to be true", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         if logprobs is not None and logprobs > 20:
             raise ProtocolError("top_logprobs must be between 0 and 20", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling(max_tokens, logprobs)
+        if tools.constraint is not None and self.has_constraint:
+            raise ProtocolError("a forced tool call (tool_choice required or a named function) already constrains "
+                                "the output; leave out response_format and structured_outputs", "tool_choice")
+        return self._sampling(max_tokens, logprobs, tools.constraint or self.constraint(options))
 
 
 class TokenizeRequest(_RequestBody):

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
 class _ResponseBody(BaseModel):
@@ -65,9 +65,32 @@ class ChatLogprobs(_ResponseBody):
     content: list[ChatTokenLogprob] | None = None
 
 
-class ChatMessageOut(_ResponseBody):
+class FunctionCall(_ResponseBody):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(_ResponseBody):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class _WithToolCalls(_ResponseBody):
+    """A message whose ``tool_calls`` key is left out when it has none (as OpenAI leaves it)."""
+
+    @model_serializer(mode="wrap")
+    def _without_empty_calls(self, handler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
+
+
+class ChatMessageOut(_WithToolCalls):
     role: Literal["assistant"] = "assistant"
-    content: str | None = None
+    content: str | None = None  # None when the message is only tool calls
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(_ResponseBody):
@@ -87,9 +110,12 @@ class ChatCompletionResponse(_ResponseBody):
     usage: UsageInfo | None = None
 
 
-class DeltaMessage(_ResponseBody):
+class DeltaMessage(_WithToolCalls):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    # OpenAI's shape: a call's first piece {index, id, type, function: {name, arguments}}, later
+    # pieces {index, function: {arguments}} (gateway.tool_calls.ToolCallDelta.to_openai)
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(_ResponseBody):
