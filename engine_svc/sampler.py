@@ -74,8 +74,15 @@ class Sampler:
         for i in blocked:
             params = requests[i].params
             ids = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
-            if ids:
-                logits[i, torch.tensor(ids, device=logits.device)] = float("-inf")
+            if not ids:
+                continue
+            ids = torch.tensor(ids, device=logits.device)
+            if requests[i].matcher is not None:
+                others = torch.isfinite(logits[i])
+                others[ids] = False
+                if not bool(others.any()):
+                    continue  # the grammar allows only a stop now: it wins over min_tokens
+            logits[i, ids] = float("-inf")
         if penalized:
             self._apply_penalties(logits, [requests[i] for i in penalized], penalized)
         return logits

@@ -146,3 +146,13 @@ def test_a_request_waiting_for_its_grammar_holds_no_slot_and_blocks_no_one():
     assert [c.request_id for c in plan.chunks] == ["c"] and constrained.status == RequestStatus.RUNNING
     scheduler.abort(["c"])
     assert scheduler.block_manager.num_free_blocks == 31
+
+
+def test_min_tokens_gives_way_to_a_finished_grammar(engine):
+    """min_tokens bans EOS, but once the grammar allows nothing else the grammar wins: the output
+    is the choice, whole, and ends with stop (not a token the grammar forbids)."""
+    (result,) = engine.generate(["Pick a colour:"], SamplingParams(
+        temperature=0.0, max_tokens=20, min_tokens=10, structured_outputs=StructuredOutputs(choice=("red", "blue"))))
+    assert result.outputs[0].text in ("red", "blue") and result.outputs[0].finish_reason == "stop"
+    assert result.outputs[0].token_ids[-1] in engine.runner.eos_token_ids  # the stop the grammar allowed
+    assert_engine_idle(engine)
