@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from engine_svc.block_manager import BlockManager
 from engine_svc.config import EngineConfig
+from engine_svc.iteration_stats import IterationStats
 from engine_svc.request import Request
 from engine_svc.sampler import Sampler
 from engine_svc.scheduler import Scheduler
@@ -41,7 +41,7 @@ class LLMEngine:
     """Owns one model runner, one block manager, one scheduler and one sampler, and steps them:
     schedule -> execute -> sample -> update."""
 
-    def __init__(self, config: EngineConfig | None = None, *, runner=None):
+    def __init__(self, config: EngineConfig | None = None, *, runner=None, record_decode_steps: bool = False):
         self.config = config = config or EngineConfig()
         if runner is None:
             from engine_svc.model_runner import ModelRunner
@@ -55,7 +55,8 @@ class LLMEngine:
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size, config.enable_prefix_caching)
         self.grammars = GrammarManager(lambda: self.tokenizer, self.vocab_size, runner.eos_token_ids)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, runner.eos_token_ids,
-                                   generator_device=runner.device, grammars=self.grammars)
+                                   generator_device=runner.device, grammars=self.grammars,
+                                   record_decode_steps=record_decode_steps)
         self.sampler = Sampler(runner.eos_token_ids)
         self._tokenizer = None
         self._next_id = 0
@@ -67,7 +68,7 @@ class LLMEngine:
         Admission is the request's first message (the caller adds where it goes)."""
         self._validate(request_id, prompt_token_ids, params)
         request = Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt,
-                          arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+                          arrival_time=arrival_time if arrival_time is not None else self.scheduler.clock())
         self.scheduler.add(request)
         return Admission(request_id=request_id, num_choices=params.n)
 
@@ -94,6 +95,10 @@ class LLMEngine:
         logits = self.runner.execute(plan)
         tokens = self.sampler(logits, plan.sampling)
         return self.scheduler.update(plan, tokens)
+
+    def take_stats(self) -> IterationStats:
+        """What happened since the last call: tokens, preemptions, finished sequences."""
+        return self.scheduler.take_stats()
 
     def stats(self) -> dict[str, float]:
         bm = self.block_manager

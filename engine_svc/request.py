@@ -53,6 +53,13 @@ class Request:
     num_deltas_sent: int = 0
     pending_token_ids: list[int] = field(default_factory=list)  # sampled, not yet reported
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # when each phase began (the scheduler's clock), for metrics and traces (iteration_stats.py)
+    scheduled_time: float | None = None  # first scheduled
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    preemption_times: list[float] = field(default_factory=list)
+    prefill_chunks: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end, tokens)
+    decode_steps: list[tuple[float, float]] = field(default_factory=list)  # only when the scheduler records them
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from engine_svc.beam_search import BeamGroup, BeamSearch
 from engine_svc.block_manager import BlockManager
 from engine_svc.config import EngineConfig
+from engine_svc.iteration_stats import FinishedSequence, IterationStats
 from engine_svc.request import Request, RequestStatus, make_generator
 from engine_svc.scheduler_output import SampleRow, ScheduledChunk, SamplerOutput, SchedulerOutput, SeqKey
 from shared.protocol import ErrorInfo, FinishReason, ProtocolError, TokenDelta
@@ -22,10 +24,15 @@ class Scheduler:
     sequence cap and the free blocks allow. When blocks run out, the newest running sequence is
     preempted by recompute: its blocks are freed and it waits at the head of the queue. Every
     choice of every request gets exactly one final delta, aborts included.
+
+    It also counts what happens, where it happens (``stats``, handed out by ``take_stats()``),
+    and stamps each sequence's phases with ``clock``; ``record_decode_steps`` keeps every decode
+    step's times too (``--collect-detailed-traces``).
     """
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
-                 eos_token_ids: Iterable[int] = (), generator_device: str = "cpu", grammars=None):
+                 eos_token_ids: Iterable[int] = (), generator_device: str = "cpu", grammars=None,
+                 clock: Callable[[], float] = time.monotonic, record_decode_steps: bool = False):
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -36,6 +43,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, list[Request]] = {}
         self.num_preemptions = 0
+        self.clock = clock
+        self.record_decode_steps = record_decode_steps
+        self.stats = IterationStats()
+        self._step_start = 0.0
         self._aborted: list[TokenDelta] = []
         self._scheduled: list[Request] = []  # this step's plan.chunks[i] belongs to _scheduled[i]
         self._sampled: dict[SeqKey, Request] = {}
@@ -57,12 +68,14 @@ class Scheduler:
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.waiting.append(request)
         self.requests[request.request_id] = [request]
+        self.stats.admitted.append((params.n, self._max_tokens(request)))
 
     def abort(self, request_ids: Iterable[str], reason: FinishReason = FinishReason.ABORT,
               error: ErrorInfo | None = None) -> None:
         """Free the sequences now; the final delta of every unfinished choice (forked or not yet)
         leaves with the next step, or with take_aborted()."""
         num_before = len(self._aborted)
+        now = self.clock()
         for request_id in request_ids:
             family = self.requests.pop(request_id, None)
             if family is None:
@@ -77,6 +90,7 @@ class Scheduler:
                     self.waiting.remove(request)
                 self.block_manager.free(request)
                 request.finish(reason)
+                self.stats.finished.append(self._finished(request, now))
                 if request.beam is None:
                     self._aborted.append(self._delta(request))
             n = first.params.n
@@ -92,10 +106,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         plan = SchedulerOutput()
         self._scheduled, self._sampled = [], {}
+        self._step_start = self.clock()
         budget = self.config.max_num_batched_tokens
         budget, preempted = self._schedule_running(plan, budget)
         if not preempted:
             self._schedule_waiting(plan, budget)
+        if plan.chunks:
+            self.stats.step_tokens.append(sum(len(c.token_ids) for c in plan.chunks))
         return plan
 
     def _schedule_running(self, plan: SchedulerOutput, budget: int) -> tuple[int, bool]:
@@ -145,6 +162,8 @@ class Scheduler:
             self.waiting.popleft()
             if first_admission:
                 request.num_cached_tokens = len(hits) * bm.block_size
+            if request.scheduled_time is None:
+                request.scheduled_time = self._step_start
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             forked += self._add_chunk(plan, request, num_new)
@@ -197,7 +216,9 @@ class Scheduler:
             child = Request(parent.request_id, parent.prompt_token_ids, parent.params, index=index,
                             cache_salt=parent.cache_salt, arrival_time=parent.arrival_time,
                             token_ids=list(parent.token_ids), num_cached_tokens=parent.num_cached_tokens,
-                            status=RequestStatus.RUNNING,
+                            status=RequestStatus.RUNNING, scheduled_time=parent.scheduled_time,
+                            preemption_times=list(parent.preemption_times),
+                            prefill_chunks=list(parent.prefill_chunks),
                             generator=make_generator(parent.params.seed, index, self.generator_device),
                             matcher=parent.matcher.fork() if parent.matcher is not None else None)
             self.block_manager.fork(parent, child)
@@ -212,18 +233,23 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
         self.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        request.preemption_times.append(self._step_start)
 
     # ------------------------------------------------------------------ update
     def update(self, plan: SchedulerOutput, sampled: SamplerOutput) -> list[TokenDelta]:
         """Advance the sequences by what the step computed and sampled; report new tokens."""
+        now = self.clock()
         for request, chunk in zip(self._scheduled, plan.chunks):
             request.num_computed_tokens += len(chunk.token_ids)
+            self._note_chunk(request, len(chunk.token_ids), now)
         deltas, self._aborted = self._aborted, []
         any_finished = False
         groups: list[BeamGroup] = []
         for key, request in self._sampled.items():
             if request.is_finished:  # aborted while the step ran
                 continue
+            self._note_token(request, now)
             if request.beam is not None:
                 request.beam.rows[request] = sampled.beam_candidates[key]
                 if request.beam not in groups:
@@ -239,16 +265,17 @@ class Scheduler:
                 any_finished = True
                 self.block_manager.free(request)
                 self._forget(request)
+                self.stats.finished.append(self._finished(request, now))
         for group in groups:
             if group.is_ready():
-                deltas += self._advance_beams(group)
+                deltas += self._advance_beams(group, now)
                 any_finished = True
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         self._scheduled, self._sampled = [], {}
         return deltas
 
-    def _advance_beams(self, group: BeamGroup) -> list[TokenDelta]:
+    def _advance_beams(self, group: BeamGroup, now: float) -> list[TokenDelta]:
         """One beam-search step: fork the chosen parents (sharing all their blocks), drop the rest."""
         old = group.beams
         moves = group.search.step([group.rows[beam] for beam in old])
@@ -273,13 +300,19 @@ class Scheduler:
                              num_prompt_tokens=first.num_prompt_tokens, num_cached_tokens=first.num_cached_tokens,
                              num_choices=n)
                   for i, h in enumerate(best)]
+        for delta in finals:
+            self.stats.finished.append(dataclasses.replace(
+                self._finished(first, now), index=delta.index, finish_reason=delta.finish_reason,
+                num_generation_tokens=len(delta.new_token_ids)))
         return finals + [self._final(first, i, FinishReason.LENGTH) for i in range(len(best), n)]
 
     def _fork_beam(self, parent: Request, token_id: int, slot: int) -> Request:
         child = Request(parent.request_id, parent.prompt_token_ids, parent.params, index=slot,
                         cache_salt=parent.cache_salt, arrival_time=parent.arrival_time,
                         token_ids=parent.token_ids + [token_id], num_cached_tokens=parent.num_cached_tokens,
-                        beam=parent.beam, matcher=parent.matcher.fork() if parent.matcher is not None else None)
+                        beam=parent.beam, scheduled_time=parent.scheduled_time,
+                        first_token_time=parent.first_token_time, last_token_time=parent.last_token_time,
+                        preemption_times=list(parent.preemption_times), prefill_chunks=list(parent.prefill_chunks), matcher=parent.matcher.fork() if parent.matcher is not None else None)
         if child.matcher is not None:
             child.matcher.accept(token_id)
         if parent.block_table:
@@ -298,6 +331,39 @@ class Scheduler:
         it cannot accept (only when every allowed token was banned, e.g. by min_tokens)."""
         if not request.matcher.accept(token_id) or request.matcher.is_terminated():
             request.finish(FinishReason.STOP)
+
+    # ------------------------------------------------------------------ stats
+    def take_stats(self) -> IterationStats:
+        """What happened since the last call (see IterationStats)."""
+        stats, self.stats = self.stats, IterationStats()
+        return stats
+
+    def _note_chunk(self, request: Request, num_tokens: int, now: float) -> None:
+        if num_tokens > 1 or request.first_token_time is None:  # a prompt chunk (or a recompute)
+            request.prefill_chunks.append((self._step_start, now, num_tokens))
+        elif self.record_decode_steps:
+            request.decode_steps.append((self._step_start, now))
+
+    def _note_token(self, request: Request, now: float) -> None:
+        """A token was sampled for ``request``: the first one completes the prefill, and counts the
+        prompt once per request (children and beams are forked with index > 0 or a first token)."""
+        self.stats.num_generation_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+            if request.index == 0:
+                self.stats.num_prompt_tokens += request.num_prompt_tokens
+        request.last_token_time = now
+
+    def _max_tokens(self, request: Request) -> int:
+        return request.params.max_tokens or self.max_model_len - request.num_prompt_tokens
+
+    def _finished(self, request: Request, now: float) -> FinishedSequence:
+        return FinishedSequence(
+            request.request_id, request.index, int(request.finish_reason or FinishReason.ABORT),
+            request.arrival_time, request.scheduled_time, request.first_token_time, request.last_token_time, now,
+            request.num_prompt_tokens, request.num_cached_tokens, request.num_output_tokens,
+            self._max_tokens(request), tuple(request.preemption_times), tuple(request.prefill_chunks),
+            tuple(request.decode_steps))
 
     def take_aborted(self) -> list[TokenDelta]:
         deltas, self._aborted = self._aborted, []

@@ -1,0 +1,110 @@
+"""One engine's Prometheus figures (label ``engine`` = its service id), served on its own port.
+
+The engine owns these facts, so only it counts them: the scheduler and the block manager count
+events as they happen (``IterationStats``, ``make_prefix_cache_stats()``) and ``record`` turns
+each step's account into increments here, in the engine service's loop. Intervals come from
+``FinishedSequence``'s timestamps, all of this process's monotonic clock.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+
+from engine_svc.iteration_stats import FinishedSequence, IterationStats
+from shared.telemetry import N_BUCKETS, PREFIX, REQUEST_LATENCY_BUCKETS, TOKEN_BUCKETS
+
+log = logging.getLogger(__name__)
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class EngineMetrics:
+    """Owns one engine's registry; ``record`` is its only writer (called from the service loop)."""
+
+    def __init__(self, model_name: str, engine_id: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.labels = (model_name, engine_id)
+        names = ["model_name", "engine"]
+        r = self.registry
+
+        def gauge(name, doc):
+            return Gauge(PREFIX + name, doc, names, registry=r).labels(*self.labels)
+
+        def counter(name, doc):
+            return Counter(PREFIX + name, doc, names, registry=r).labels(*self.labels)
+
+        def histogram(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, names, buckets=buckets, registry=r).labels(*self.labels)
+
+        self.num_requests_running = gauge("num_requests_running", "Sequences in the running batch")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Sequences waiting (queued or preempted)")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage, 1 = full")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests whose prefill completed")
+        self.generation_tokens = counter("generation_tokens", "Tokens sampled")
+        self.num_preemptions = counter("num_preemptions", "Sequences preempted (by recompute)")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step",
+                                          STEP_TOKEN_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Queued at the engine to first scheduled",
+                                    REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token",
+                                      REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "First token to last token",
+                                     REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "First scheduled to last token",
+                                        REQUEST_LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per sequence", TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("request_generation_tokens", "Tokens generated per sequence",
+                                                   TOKEN_BUCKETS)
+        self.params_n = histogram("request_params_n", "n of each admitted request", N_BUCKETS)
+        self.params_max_tokens = histogram("request_params_max_tokens", "max_tokens of each admitted request",
+                                           TOKEN_BUCKETS)
+        self._prefix_cache_seen = (0, 0)
+
+    def record(self, stats: IterationStats, engine_stats: dict[str, float]) -> None:
+        """One account of the scheduler (``take_stats()``) and the engine's current state (``stats()``)."""
+        self.num_requests_running.set(engine_stats["num_running"])
+        self.num_requests_waiting.set(engine_stats["num_waiting"])
+        self.kv_cache_usage_perc.set(engine_stats["kv_cache_usage"])
+        queries, hits = int(engine_stats["prefix_cache_queries"]), int(engine_stats["prefix_cache_hits"])
+        seen_queries, seen_hits = self._prefix_cache_seen
+        if queries > seen_queries:  # the block manager keeps totals: the counters take what is new
+            self.prefix_cache_queries.inc(queries - seen_queries)
+        if hits > seen_hits:
+            self.prefix_cache_hits.inc(hits - seen_hits)
+        self._prefix_cache_seen = (queries, hits)
+        if stats.num_prompt_tokens:
+            self.prompt_tokens.inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self.generation_tokens.inc(stats.num_generation_tokens)
+        if stats.num_preemptions:
+            self.num_preemptions.inc(stats.num_preemptions)
+        for num_tokens in stats.step_tokens:
+            self.iteration_tokens.observe(num_tokens)
+        for n, max_tokens in stats.admitted:
+            self.params_n.observe(n)
+            self.params_max_tokens.observe(max_tokens)
+        for seq in stats.finished:
+            self._observe_finished(seq)
+
+    def _observe_finished(self, seq: FinishedSequence) -> None:
+        """A sequence that produced a token is observed in every per-sequence histogram; one that
+        never did (aborted or failed before its first token) in none."""
+        if seq.first_token_time is None or seq.scheduled_time is None:
+            return
+        self.queue_time.observe(seq.scheduled_time - seq.arrival_time)
+        self.prefill_time.observe(seq.first_token_time - seq.scheduled_time)
+        self.decode_time.observe(seq.last_token_time - seq.first_token_time)
+        self.inference_time.observe(seq.last_token_time - seq.scheduled_time)
+        self.request_prompt_tokens.observe(seq.num_prompt_tokens)
+        self.request_generation_tokens.observe(seq.num_generation_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        """Expose the registry at http://host:port/metrics from a daemon thread."""
+        start_http_server(port, addr=host, registry=self.registry)
+        log.info("engine metrics at http://%s:%d/metrics", host, port)
