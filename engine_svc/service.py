@@ -1,8 +1,10 @@
-"""The engine service: LLMEngine in a Redis loop (admit, abort, step, publish, heartbeat).
+"""The engine service: LLMEngine in a Redis loop (admit, abort, step, publish, account, heartbeat).
 
 The only engine module that touches Redis. Entries of ``ps:engine:in`` are acked once their
 request is admitted (or refused with an error to its gateway), so a crash before that
-re-delivers them; admission is idempotent on request_id.
+re-delivers them; admission is idempotent on request_id. After each turn of the loop the
+scheduler's account (``take_stats()``) feeds this engine's Prometheus figures (served on
+``--metrics-port``), its status line and, with tracing on, the spans of finished sequences.
 """
 
 from __future__ import annotations
@@ -14,12 +16,17 @@ import threading
 import time
 from collections import OrderedDict
 
+from engine_svc.iteration_stats import FinishedSequence, IterationStats
+from engine_svc.metrics import EngineMetrics
 from shared.config import EngineServiceConfig
+from shared.logs import StatusLine, configure_logging
+from shared.models import served_model_name
 from shared.protocol import (GROUP_ENGINE, Abort, EngineRequest, ErrorInfo, FinishReason, Message, ProtocolError,
                              RequestOutput, TokenDelta, detok_shard)
 from shared.heartbeat import HeartbeatWriter
 from shared.group_reader import GroupReader
 from shared.streams import Producer, StreamReader, connect
+from shared.tracing import Tracing, make_tracing
 
 log = logging.getLogger(__name__)
 MAX_REMEMBERED = 100_000
@@ -46,7 +53,8 @@ class EngineService:
     """Moves one engine's messages: requests and aborts in, the engine's admissions and deltas
     out to the detok shards, refusals to gateways. The engine owns every request's state."""
 
-    def __init__(self, config: EngineServiceConfig, engine, client=None):
+    def __init__(self, config: EngineServiceConfig, engine, client=None, *, tracing: Tracing | None = None,
+                 metrics: EngineMetrics | None = None):
         self.config = config
         self.engine = engine
         self.client = client or connect(config.bus.redis_url)
@@ -64,6 +72,15 @@ class EngineService:
         self.finished = RecentIds()
         self.aborted = RecentIds()  # aborts that arrived before their request
         self.stopping = threading.Event()
+        model_name = served_model_name(config.engine.served_model_name, config.engine.model)
+        self.metrics = metrics or EngineMetrics(model_name, config.service_id)
+        self.tracing = tracing
+        self.spans: dict = {}  # request id -> its open engine span (tracing only)
+        self.num_admitted = 0
+        self.totals = {"prompt_tokens": 0.0, "generation_tokens": 0.0, "prefix_cache_queries": 0.0,
+                       "prefix_cache_hits": 0.0}
+        self._engine_stats: dict[str, float] = {}
+        self.status = StatusLine(log, config.telemetry.status_log_s, lambda: self.totals, self._describe)
 
     # ----------------------------------------------------------------- the loop
     def run(self) -> None:
@@ -74,6 +91,9 @@ class EngineService:
                 self.run_once()
         finally:
             self.heartbeat.remove()
+            for span in self.spans.values():
+                span.end()
+            self.spans.clear()
 
     def run_once(self) -> None:
         idle = not self.engine.has_work()
@@ -85,7 +105,10 @@ class EngineService:
         self.apply_aborts(self.from_ctl.read(count=1024))
         if self.engine.has_work():
             self.to_detok.send_many(self.step())
-        self.heartbeat.beat(self.engine.stats())
+        self.account()
+        self.heartbeat.beat({**self._engine_stats, "metrics_port": self.config.metrics_port,
+                             "num_messages": self.num_admitted, "num_reclaimed": self.from_tokenizer.num_reclaimed})
+        self.status.tick(busy=self.engine.has_work())
 
     # ----------------------------------------------------------------- handlers
     def admit(self, req: EngineRequest) -> list[tuple[str, Message]]:
@@ -107,8 +130,10 @@ class EngineService:
             log.exception("admitting %s failed", rid)
             return self._refuse(req, ErrorInfo(message=f"engine error: {type(exc).__name__}",
                                                type="InternalServerError", code=500))
+        self.num_admitted += 1
+        trace = self._open_span(req) if self.tracing is not None and req.trace else {}
         admission = dataclasses.replace(admission, engine_id=self.config.service_id, reply_to=req.reply_to,
-                                        detok=req.detok)
+                                        detok=req.detok, trace=trace)
         return [(self._detok_stream(rid), admission)]
 
     def _detok_stream(self, rid: str) -> str:
@@ -141,7 +166,66 @@ class EngineService:
             self.finished.add(delta.request_id)
         return self._detok_stream(delta.request_id), delta
 
-    # ----------------------------------------------------------------- status
+    # ----------------------------------------------------------------- metrics, status, traces
+    def account(self) -> None:
+        """The scheduler's account since the last turn, into the metrics, the totals and the spans."""
+        stats = self.engine.take_stats()
+        self._engine_stats = engine_stats = self.engine.stats()
+        self.metrics.record(stats, engine_stats)
+        self.totals["prompt_tokens"] += stats.num_prompt_tokens
+        self.totals["generation_tokens"] += stats.num_generation_tokens
+        self.totals["prefix_cache_queries"] = engine_stats["prefix_cache_queries"]
+        self.totals["prefix_cache_hits"] = engine_stats["prefix_cache_hits"]
+        if self.spans and stats.finished:
+            self._close_spans(stats)
+
+    def _describe(self, rates) -> str:
+        s = self._engine_stats
+        queries = rates["prefix_cache_queries"]
+        hit_rate = rates["prefix_cache_hits"] / queries if queries else 0.0
+        return (f"running {s.get('num_running', 0):g}, waiting {s.get('num_waiting', 0):g}, "
+                f"KV usage {s.get('kv_cache_usage', 0.0):.1%}, prompt {rates['prompt_tokens']:.1f} tokens/s, "
+                f"generation {rates['generation_tokens']:.1f} tokens/s, prefix-cache hit rate {hit_rate:.1%}")
+
+    def _open_span(self, req: EngineRequest) -> dict[str, str]:
+        span = self.tracing.start("engine", req.trace, attributes={
+            "pagedserve.request_id": req.request_id, "pagedserve.engine": self.config.service_id,
+            "gen_ai.request.n": req.sampling.n, "gen_ai.usage.prompt_tokens": len(req.prompt_token_ids)})
+        self.spans[req.request_id] = span
+        return self.tracing.carrier(span)
+
+    def _close_spans(self, stats: IterationStats) -> None:
+        """Each finished sequence's phases as child spans; a request's span ends with its last sequence."""
+        done = set()
+        for seq in stats.finished:
+            span = self.spans.get(seq.request_id)
+            if span is not None:
+                self._phase_spans(span, seq)
+                done.add(seq.request_id)
+        for request_id in done:
+            if not self.engine.has_request(request_id):
+                self.spans.pop(request_id).end()
+
+    def _phase_spans(self, span, seq: FinishedSequence) -> None:
+        t = self.tracing
+        index = {"pagedserve.index": seq.index}
+        t.span_between("queued", span, seq.arrival_time, seq.scheduled_time or seq.finished_time, index)
+        for when in seq.preemption_times:
+            span.add_event("preempted", index, timestamp=t.wall_ns(when))
+        if seq.scheduled_time is not None:
+            prefill = t.span_between("prefill", span, seq.scheduled_time, seq.first_token_time or seq.finished_time,
+                                     index)
+            for start, end, num_tokens in seq.prefill_chunks:
+                t.span_between("prefill_chunk", prefill, start, end, {"pagedserve.num_tokens": num_tokens})
+        if seq.first_token_time is not None:
+            span.add_event("first_token", index, timestamp=t.wall_ns(seq.first_token_time))
+            decode = t.span_between("decode", span, seq.first_token_time, seq.last_token_time, index)
+            for start, end in seq.decode_steps:
+                t.span_between("decode_step", decode, start, end)
+        span.add_event("finished", {**index, "pagedserve.finish_reason": FinishReason(seq.finish_reason).openai,
+                                    "gen_ai.usage.completion_tokens": seq.num_generation_tokens},
+                       timestamp=t.wall_ns(seq.finished_time))
+
     def stop(self, *_args) -> None:
         self.stopping.set()
 
@@ -149,10 +233,17 @@ class EngineService:
 def main(config: EngineServiceConfig) -> None:
     from engine_svc import LLMEngine
 
+    configure_logging("engine", config.telemetry)
     started = time.monotonic()
-    engine = LLMEngine(config.engine)
+    engine = LLMEngine(config.engine, record_decode_steps=config.telemetry.collect_detailed_traces)
     log.info("engine loaded in %.1fs: %s", time.monotonic() - started, engine.stats())
-    service = EngineService(config, engine)
+    service = EngineService(config, engine, tracing=make_tracing("engine", config.telemetry))
+    if config.metrics_port:
+        service.metrics.serve(config.metrics_port)
     signal.signal(signal.SIGTERM, service.stop)
     signal.signal(signal.SIGINT, service.stop)
-    service.run()
+    try:
+        service.run()
+    finally:
+        if service.tracing is not None:
+            service.tracing.shutdown()

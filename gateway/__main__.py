@@ -6,11 +6,11 @@ Its flags, and what they build (``GatewayConfig`` with its ``GatewayLimits``), a
 
 from __future__ import annotations
 
-import logging
 import socket
 import sys
 
 from shared.flags import parse_gateway
+from shared.logs import configure_logging
 
 
 def shared_port_socket(host: str, port: int) -> socket.socket:
@@ -31,8 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.direct_write import capture_raw_send
 
     config = parse_gateway(argv)
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s gateway %(levelname)s %(name)s: %(message)s")
+    configure_logging("gateway", config.telemetry, config.log_level)
     app = capture_raw_send(build_app(config))  # for the per-token fast path (direct_write.py)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                            log_level=config.log_level, timeout_graceful_shutdown=5))

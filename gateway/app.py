@@ -32,7 +32,7 @@ from gateway.responder import Responder
 from gateway.submission import Submission
 from shared.config import GatewayConfig, GatewayLimits
 from shared.protocol import GenerateRequest, ProtocolError
-from shared.telemetry import CONTENT_TYPE_LATEST, Metrics
+from shared.telemetry import CONTENT_TYPE_LATEST, GatewayMetrics, render_bus
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def _version() -> str:
 class Endpoints:
     """The HTTP handlers of one gateway; they share its GatewayContext and metrics."""
 
-    def __init__(self, ctx: GatewayContext, metrics: Metrics):
+    def __init__(self, ctx: GatewayContext, metrics: GatewayMetrics):
         self.ctx = ctx
         self.config = ctx.config
         self.limits = ctx.limits
@@ -71,7 +71,7 @@ class Endpoints:
                     for i, p in enumerate(prompts)]
         echo_texts = [p if isinstance(p, str) else None for p in prompts]
         renderer = TextCompletionRenderer(response_id, self.ctx.model_name, want_logprobs=body.logprobs is not None)
-        return await self._submit(requests, renderer, body, echo_texts)
+        return await self._submit(requests, renderer, body, echo_texts, headers=request.headers)
 
     async def chat_completions(self, request: Request):
         body = await self._parse(request, ChatCompletionRequest)
@@ -83,25 +83,28 @@ class Endpoints:
                                   add_generation_prompt=body.add_generation_prompt, tools=body.tools_json())]
         renderer = ChatCompletionRenderer(response_id, self.ctx.model_name, want_logprobs=body.logprobs,
                                           tools=tools)
-        return await self._submit(requests, renderer, body)
+        return await self._submit(requests, renderer, body, headers=request.headers)
 
     def _bus_request(self, request_id: str, params, **fields) -> GenerateRequest:
         return GenerateRequest(request_id=request_id, reply_to=self.ctx.reply_to, sampling=params,
                                arrival_time=time.time(), **fields)
 
-    async def _submit(self, requests, renderer, body, echo_texts=None) -> Responder:
+    async def _submit(self, requests, renderer, body, echo_texts=None, headers=None) -> Responder:
         if self.ctx.num_in_flight >= self.limits.max_pending_requests:
             raise APIError(429, "too many requests in flight; retry later")
+        span, requests = self.ctx.trace_requests(requests, headers)  # (None, requests) with tracing off
         submission = Submission(self.ctx, requests, idle_timeout_s=self.limits.idle_timeout_s,
                                 echo_texts=echo_texts, param_names=body.param_names())
         await submission.start()
         self.ctx.num_in_flight += 1
+        self.ctx.log_request(submission, span)
         return Responder(submission, renderer, stream=body.stream, include_usage=body.include_usage,
-                         on_done=self._on_done)
+                         on_done=lambda done, status: self._on_done(done, status, span))
 
-    def _on_done(self, submission: Submission, status: int) -> None:
+    def _on_done(self, submission: Submission, status: int, span=None) -> None:
         self.ctx.num_in_flight -= 1
-        observe(self.metrics, submission, status)
+        reasons = observe(self.metrics, submission, status)
+        self.ctx.end_request(submission, status, reasons, span)
 
     async def _parse(self, request: Request, model: type[BaseModel]):
         raw = await _read_body(request, self.limits.max_body_bytes)
@@ -139,12 +142,16 @@ class Endpoints:
         return JSONResponse({"version": _version()})
 
     async def get_metrics(self, request: Request) -> Response:
-        try:
-            engines = await self.ctx.fresh_engines()
-        except Exception:
-            engines = []
-        self.metrics.update_from_heartbeats({b.service_id: b.stats for b in engines})
+        """This gateway's own figures; the engines serve theirs (shared/telemetry.py)."""
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def get_bus_metrics(self, request: Request) -> Response:
+        """The bus, read from Redis now: the same from every gateway (scrape one)."""
+        try:
+            snapshot = await self.ctx.bus_snapshot()
+        except Exception as exc:
+            raise APIError(503, f"Redis is unreachable: {exc}") from None
+        return Response(render_bus(snapshot), media_type=CONTENT_TYPE_LATEST)
 
     async def tokenize(self, request: Request) -> JSONResponse:
         body = await self._parse(request, TokenizeRequest)
@@ -170,18 +177,17 @@ class Endpoints:
         return JSONResponse({"prompt": text})
 
 
-def observe(metrics: Metrics, submission: Submission, status: int) -> None:
-    """Feed one finished HTTP request to the Prometheus series (errors and departures count too)."""
-    if status != 200 or submission.first_output_time is None:
-        reason = "abort" if status == 499 else "error"
-        metrics.request_success.labels(metrics.model_name, reason).inc()
-        return
-    usage = submission.usage()
-    finish = submission.choices[0].finish_reason_str or "abort"
-    metrics.observe_request(prompt_tokens=usage.prompt_tokens, generation_tokens=usage.completion_tokens,
-                            finish_reason=finish, e2e_s=time.monotonic() - submission.start_time,
-                            ttft_s=submission.first_output_time - submission.start_time,
-                            itl_s=submission.output_gaps)
+def observe(metrics: GatewayMetrics, submission: Submission, status: int) -> list[str]:
+    """Feed one finished HTTP request to the Prometheus series: one success per choice, by the
+    reason the client got (an unfinished choice: "abort" when the client left, "error" when the
+    request failed), and its latencies when it succeeded. Returns the reasons."""
+    unfinished = "abort" if status in (200, 499) else "error"
+    reasons = [c.finish_reason_str or unfinished for c in submission.choices]
+    ok = status == 200 and submission.first_output_time is not None
+    metrics.observe_request(finish_reasons=reasons, e2e_s=time.monotonic() - submission.start_time if ok else None,
+                            ttft_s=submission.first_output_time - submission.start_time if ok else None,
+                            itl_s=submission.output_gaps if ok else ())
+    return reasons
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -218,7 +224,7 @@ def build_app(config: GatewayConfig, limits: GatewayLimits | None = None, *,
               context: GatewayContext | None = None) -> Starlette:
     """The ASGI app; nothing connects until the lifespan starts. ``context`` is for unit tests."""
     ctx = context if context is not None else GatewayContext(config, limits)
-    endpoints = Endpoints(ctx, Metrics(ctx.model_name))
+    endpoints = Endpoints(ctx, GatewayMetrics(ctx.model_name))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -236,6 +242,7 @@ def build_app(config: GatewayConfig, limits: GatewayLimits | None = None, *,
             Route("/health", endpoints.health, methods=["GET"]),
             Route("/version", endpoints.version, methods=["GET"]),
             Route("/metrics", endpoints.get_metrics, methods=["GET"]),
+            Route("/metrics/bus", endpoints.get_bus_metrics, methods=["GET"]),
             Route("/tokenize", endpoints.tokenize, methods=["POST"]),
             Route("/detokenize", endpoints.detokenize, methods=["POST"]),
         ],

@@ -6,7 +6,7 @@ import hmac
 
 from gateway.errors import APIError
 
-PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/ping"})
+PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/metrics/bus", "/ping"})
 
 
 class APIKeyMiddleware:

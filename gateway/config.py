@@ -5,27 +5,16 @@
 from __future__ import annotations
 
 import uuid
-from pathlib import PurePath
 
 from shared.config import GatewayConfig, GatewayLimits
-from shared.models import GGUF_FILE
+from shared.models import DEFAULT_MODEL_NAME, served_model_name as _served_model_name
 
 __all__ = ["DEFAULT_MODEL_NAME", "GatewayLimits", "accepts_model", "gateway_id", "served_model_name"]
 
-# the default model keeps its plain name, whether or not --model names its cache folder
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-_DEFAULT_FOLDER = PurePath(GGUF_FILE).stem  # the converted folder is named after the GGUF
-
 
 def served_model_name(config: GatewayConfig) -> str:
-    """What clients pass as ``model`` and what responses report: --served-model-name, else the
-    model folder's name (vLLM reports the whole path; a cache path makes a poor model name)."""
-    if config.served_model_name:
-        return config.served_model_name
-    if config.model:
-        name = PurePath(config.model.rstrip("/")).name or config.model
-        return DEFAULT_MODEL_NAME if name == _DEFAULT_FOLDER else name
-    return DEFAULT_MODEL_NAME
+    """What clients pass as ``model`` and what responses report (shared.models.served_model_name)."""
+    return _served_model_name(config.served_model_name, config.model)
 
 
 def accepts_model(config: GatewayConfig, name: str | None) -> bool:

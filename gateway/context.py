@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -16,8 +18,10 @@ from gateway.errors import APIError
 from shared.config import GatewayConfig, GatewayLimits
 from shared.heartbeat import heartbeat_value, parse_heartbeats
 from shared.models import load_tokenizer
-from shared.protocol import Abort, ErrorInfo, FinishReason, GenerateRequest, Heartbeat, RequestOutput
+from shared.protocol import (GROUP_ENGINE, GROUP_TOKENIZER, Abort, ErrorInfo, FinishReason, GenerateRequest, Heartbeat,
+                             RequestOutput)
 from shared.streams import AsyncProducer, AsyncStreamReader
+from shared.tracing import Tracing, make_tracing
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +33,11 @@ class GatewayContext:
     ``close()`` stops it and deletes the reply stream. Aborts are sent from background tasks
     held here, so a client's departure can never cancel the Abort that frees its blocks.
     ``limits`` replaces ``config.limits`` (tests tighten them without rebuilding the config).
+    ``tracing`` replaces the one ``--otlp-traces-endpoint`` makes at ``open()`` (tests export in memory).
     """
 
-    def __init__(self, config: GatewayConfig, limits: GatewayLimits | None = None):
+    def __init__(self, config: GatewayConfig, limits: GatewayLimits | None = None, *,
+                 tracing: Tracing | None = None):
         self.config = config
         self.limits = limits or config.limits
         self.model_name = served_model_name(config)
@@ -45,9 +51,13 @@ class GatewayContext:
         self._tokenizer: asyncio.Future | None = None
         self._background: set[asyncio.Task] = set()
         self._heartbeat: asyncio.Task | None = None
+        self.start_time = time.time()
+        self.tracing = tracing
         self.service_id = f"gateway-{self.gateway_id}"
 
     async def open(self) -> None:
+        if self.tracing is None:
+            self.tracing = make_tracing("gateway", self.config.telemetry)
         self.client = aioredis.Redis.from_url(self.config.bus.redis_url, socket_connect_timeout=5)
         self.producer = AsyncProducer(self.client, maxlen=self.config.bus.maxlen)
         self.collector = Collector(AsyncStreamReader(self.client, self.reply_to, start="0-0"), trim=self._trim)
@@ -76,6 +86,8 @@ class GatewayContext:
             except Exception as exc:  # Redis gone: nothing to clean up
                 log.warning("could not delete %s: %s", self.reply_to, exc)
             await self.client.aclose()
+        if self.tracing is not None:
+            self.tracing.shutdown()
 
     # ----------------------------------------------------------------- the bus
     async def submit(self, requests: Sequence[GenerateRequest]) -> None:
@@ -106,7 +118,8 @@ class GatewayContext:
                 await self.fail_if_no_engine()
             beat = heartbeat_value("gateway", self.service_id, {"num_requests": self.num_in_flight,
                                                                 "num_inboxes": self.collector.num_pending,
-                                                                "num_dropped": self.collector.num_dropped})
+                                                                "num_dropped": self.collector.num_dropped},
+                                   self.start_time)
             try:
                 await self.client.hset(self.names.heartbeat, self.service_id, beat)
             except Exception as exc:  # Redis restarting: the next beat will do
@@ -135,6 +148,68 @@ class GatewayContext:
         """The engines whose heartbeat is younger than ``heartbeat_max_age_s``."""
         raw = await self.client.hgetall(self.names.heartbeat)
         return list(parse_heartbeats(raw, max_age_s=self.limits.heartbeat_max_age_s, service="engine").values())
+
+    # ----------------------------------------------------------------- traces, request logs, the bus's figures
+    def trace_requests(self, requests: Sequence[GenerateRequest], headers: Mapping[str, str] | None):
+        """The HTTP request's span (continuing the client's ``traceparent``) and the requests
+        carrying its context; (None, requests) with tracing off."""
+        if self.tracing is None:
+            return None, requests
+        span = self.tracing.start("gateway", {k: v for k, v in (headers or {}).items() if k in ("traceparent",
+                                                                                                  "tracestate")},
+                                  attributes={"pagedserve.request_id": requests[0].request_id,
+                                              "gen_ai.response.model": self.model_name,
+                                              "pagedserve.num_prompts": len(requests)})
+        carrier = self.tracing.carrier(span)
+        return span, [dataclasses.replace(r, trace=carrier) for r in requests]
+
+    def log_request(self, submission, span) -> None:
+        if self.config.telemetry.enable_log_requests:
+            r = submission.requests[0]
+            log.info("request %s: %d prompt(s), n=%d, max_tokens=%s, stream from %s%s", r.request_id,
+                     len(submission.requests), r.sampling.n, r.sampling.max_tokens, self.gateway_id,
+                     f", trace {span.get_span_context().trace_id:032x}" if span is not None else "")
+
+    def end_request(self, submission, status: int, reasons: Sequence[str], span) -> None:
+        """The request's span ends (and its log line is written) with the HTTP status and the reasons."""
+        if self.config.telemetry.enable_log_requests:
+            usage = submission.usage()
+            log.info("request %s finished: status %d, %s, %d prompt + %d completion tokens (%d cached), %.3fs",
+                     submission.requests[0].request_id, status, ",".join(reasons), usage.prompt_tokens,
+                     usage.completion_tokens, usage.prompt_tokens_details.cached_tokens if
+                     usage.prompt_tokens_details else 0, time.monotonic() - submission.start_time)
+        if span is not None:
+            span.set_attribute("http.response.status_code", status)
+            span.set_attribute("pagedserve.finish_reasons", list(reasons))
+            span.end()
+
+    async def bus_snapshot(self) -> dict:
+        """Every stream's length, every group's pending entries and consumers, the dead letters,
+        and each replica's message and reclaim totals from its heartbeat (telemetry.BusCollector)."""
+        names = self.names
+        beats = parse_heartbeats(await self.client.hgetall(names.heartbeat))
+        shards = {int(b.stats.get("shard", 0)) for b in beats.values() if b.service == "detok"}
+        grouped = [(names.tokenizer_in, GROUP_TOKENIZER), (names.engine_in, GROUP_ENGINE)] + \
+                  [(names.detok_in(k), "detok") for k in sorted(shards | {0})]
+        streams = [s for s, _ in grouped] + [names.engine_ctl, names.dlq] + \
+                  [names.gateway_out(b.service_id.removeprefix("gateway-")) for b in beats.values()
+                   if b.service == "gateway"]
+        pipe = self.client.pipeline(transaction=False)
+        for stream in streams:
+            pipe.xlen(stream)
+        lengths = await pipe.execute()
+        groups = {}
+        for stream, _ in grouped:
+            try:
+                infos = await self.client.xinfo_groups(stream)
+            except Exception:  # the stream does not exist yet
+                continue
+            for info in infos:
+                name = info["name"].decode() if isinstance(info["name"], bytes) else info["name"]
+                groups[(stream, name)] = {"pending": int(info["pending"]), "consumers": int(info["consumers"])}
+        return {"streams": dict(zip(streams, lengths)), "groups": groups,
+                "dead_letters": lengths[streams.index(names.dlq)],
+                "replicas": {(b.service, sid): b.stats for sid, b in beats.items()}}
 
     # ----------------------------------------------------------------- the local tokenizer
     async def tokenizer(self) -> Any:

@@ -1,4 +1,5 @@
-"""`pagedserve`: run the whole stack (`serve`) or one service (`gateway|tokenizer|engine|detok`).
+"""`pagedserve`: run the whole stack (`serve`), one service (`gateway|tokenizer|engine|detok`), or
+list a running stack's services (`status`, shared/status.py).
 
 Services start as child processes by module name; this module imports none of them (the
 wall in DESIGN.md). Each child leads a process group of its own (what it starts is signalled
@@ -188,7 +189,7 @@ def serve(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = ("serve", *MODULES)
+    commands = ("serve", "status", *MODULES)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(f"usage: pagedserve {{{'|'.join(commands)}}} [options]   (pagedserve CMD --help for each)",
               file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
@@ -196,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "serve":
         return serve(rest)
+    if command == "status":
+        from shared.status import main as status
+
+        return status(flags.parse("status", rest))
     os.execv(sys.executable, [sys.executable, "-m", MODULES[command], *rest])  # one service, this process
     return 0  # not reached
 

@@ -38,6 +38,17 @@ class BusConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TelemetryConfig:
+    """How a service reports itself: traces (OTLP), log lines, and the status line's period."""
+
+    otlp_traces_endpoint: str | None = None  # e.g. http://collector:4318/v1/traces; None: no tracing
+    collect_detailed_traces: bool = False  # the engine: a span per step of each request, not only per phase
+    log_format: str = "text"  # text | json
+    enable_log_requests: bool = False  # the gateway: one log line per request received and finished
+    status_log_s: float = 5.0  # a status line this often while busy
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
     """What the engine is asked to be, with vLLM's names; building one never touches the disk or the network."""
 
@@ -80,6 +91,7 @@ class GatewayConfig:
 
     bus: BusConfig = field(default_factory=BusConfig)
     limits: GatewayLimits = field(default_factory=GatewayLimits)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     host: str = "127.0.0.1"
     port: int = 8000
     reuse_port: bool = False  # SO_REUSEPORT: several gateways share the port
@@ -103,6 +115,7 @@ class TokenizerConfig:
     """One tokenizer replica: which tokenizer, the prompt length limit, how it reads its group."""
 
     bus: BusConfig = field(default_factory=BusConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     model: str | None = None  # None: the default model (shared.models)
     tokenizer: str | None = None  # None: the model's
     max_model_len: int | None = None  # the engine's cap; None: the model's (shared.models.model_max_len)
@@ -118,6 +131,7 @@ class DetokConfig:
     """One detokenizer shard: which tokenizer, which shard of how many."""
 
     bus: BusConfig = field(default_factory=BusConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     model: str | None = None
     tokenizer: str | None = None  # None: the model's
     shard: int = 0
@@ -138,6 +152,8 @@ class EngineServiceConfig:
 
     bus: BusConfig = field(default_factory=BusConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    metrics_port: int = 0  # its Prometheus /metrics on this port (all interfaces); 0: none
     num_detok_shards: int = 1
     service_id: str = ""
     batch_size: int = 64
@@ -148,6 +164,15 @@ class EngineServiceConfig:
     # a starting engine applies the aborts of this many seconds back: it may claim (after
     # claim_idle_ms) requests a dead engine never admitted, whose clients left meanwhile
     ctl_lookback_s: float = 120.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StatusConfig:
+    """`pagedserve status`: which stack to look at, and when a heartbeat counts as stale."""
+
+    bus: BusConfig = field(default_factory=BusConfig)
+    stale_after_s: float = 10.0
+    json: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

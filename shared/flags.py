@@ -17,14 +17,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shared.config import (DetokConfig, EngineServiceConfig, GatewayConfig, ServeConfig, TokenizerConfig,
-                           default_service_id)
+from shared.config import (DetokConfig, EngineServiceConfig, GatewayConfig, ServeConfig, StatusConfig,
+                           TokenizerConfig, default_service_id)
 from shared.placement import MODES
 
 CONFIGS: dict[str, type] = {"serve": ServeConfig, "gateway": GatewayConfig, "tokenizer": TokenizerConfig,
-                            "engine": EngineServiceConfig, "detok": DetokConfig}
+                            "engine": EngineServiceConfig, "detok": DetokConfig, "status": StatusConfig}
 SERVICES = ("gateway", "tokenizer", "engine", "detok")
-ALL = frozenset(CONFIGS)
+ALL = frozenset({"serve", *SERVICES})  # `status` only reads the bus
 ENGINE = frozenset({"serve", "engine"})
 GATEWAY = frozenset({"serve", "gateway"})
 
@@ -77,9 +77,10 @@ def _engine(name: str, parse: Callable[[str], Any] | None, help_: str, **kw) -> 
 
 FLAGS: tuple[Flag, ...] = (
     # the bus and the model: every service takes them
-    Flag(name="--redis-url", field="redis_url", parse=str, used_by=ALL, env="REDIS_URL",
+    Flag(name="--redis-url", field="redis_url", parse=str, used_by=ALL | {"status"}, env="REDIS_URL",
          help="the bus (serve: use this Redis instead of starting one)"),
-    Flag(name="--prefix", field="prefix", parse=str, used_by=ALL, env="PREFIX", help="namespace of every Redis key"),
+    Flag(name="--prefix", field="prefix", parse=str, used_by=ALL | {"status"}, env="PREFIX",
+         help="namespace of every Redis key"),
     Flag(name="--stream-maxlen", field="maxlen", parse=int, used_by=ALL, env="STREAM_MAXLEN"),
     Flag(name="--model", field="model", parse=str, used_by=ALL, env="MODEL",
          help="HF model folder (default: SmolLM2-135M-Instruct, converted once)"),
@@ -113,6 +114,20 @@ FLAGS: tuple[Flag, ...] = (
          parse=parse_bool, used_by=GATEWAY,
          help="true: JSON constraints (schemas, json_object, forced tool calls) allow no free whitespace "
               "(vLLM's spelling; the value is required: true or false)"),
+    # observability (README: Observability)
+    Flag(name="--otlp-traces-endpoint", field="otlp_traces_endpoint", parse=str, used_by=ALL,
+         env="OTLP_TRACES_ENDPOINT", help="send a trace per request to this OTLP/HTTP endpoint (e.g. "
+                                          "http://collector:4318/v1/traces)"),
+    Flag(name="--collect-detailed-traces", field="collect_detailed_traces", parse=None, used_by=ENGINE,
+         help="the engine adds a span per step of each request (costs per token)"),
+    Flag(name="--log-format", field="log_format", parse=str, used_by=ALL, env="LOG_FORMAT", choices=("text", "json")),
+    Flag(name="--enable-log-requests", field="enable_log_requests", parse=None, used_by=GATEWAY,
+         help="log each request as it arrives and ends"),
+    Flag(name="--metrics-port", field="metrics_port", parse=int, used_by=ENGINE, env="ENGINE_METRICS_PORT",
+         help="the engine serves its Prometheus /metrics on this port (0: not at all)"),
+    Flag(name="--stale-after", field="stale_after_s", parse=float, used_by=frozenset({"status"}),
+         help="seconds after which a heartbeat counts as stale"),
+    Flag(name="--json", field="json", parse=None, used_by=frozenset({"status"}), help="print JSON, not a table"),
     # the tokenizer and the detokenizer
     Flag(name="--batch-size", field="batch_size", parse=int, used_by=frozenset({"tokenizer"})),
     Flag(name="--shard", field="shard", parse=int, used_by=frozenset({"detok"}), env="DETOK_SHARD"),
@@ -153,7 +168,8 @@ FLAGS: tuple[Flag, ...] = (
 
 DESCRIPTIONS = {"serve": "the whole stack on one machine", "gateway": "the OpenAI-compatible HTTP gateway",
                 "tokenizer": "one tokenizer replica (consumer group 'tokenizer')",
-                "engine": "the engine service (consumer group 'engine')", "detok": "one detokenizer shard"}
+                "engine": "the engine service (consumer group 'engine')", "detok": "one detokenizer shard",
+                "status": "every live service of a stack, from its heartbeats"}
 
 
 def flags_of(command: str) -> list[Flag]:

@@ -45,6 +45,7 @@ class GroupReader:
         self._next_claim = 0.0
         self._backoff = 0.0
         self._group_ready = False
+        self.num_reclaimed = 0  # entries claimed from dead consumers (a heartbeat figure)
 
     # ----------------------------------------------------------------- group life
     def ensure_group(self) -> None:
@@ -117,6 +118,7 @@ class GroupReader:
         if self._claim_cursor in ("0-0", "0"):
             self._next_claim = time.monotonic() + max(self.claim_idle_ms / 2000, 0.05)
         if entries:
+            self.num_reclaimed += len(entries)
             log.info("%s/%s: %s claimed %d idle entries", self.stream, self.group, self.consumer, len(entries))
         return self._accept(entries)
 

@@ -8,6 +8,8 @@ task write and read the same thing with their own clients.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 from collections.abc import Mapping
 
@@ -18,10 +20,11 @@ from shared.protocol import Heartbeat, ProtocolError
 log = logging.getLogger(__name__)
 
 
-def heartbeat_value(service: str, service_id: str, stats: Mapping[str, float]) -> bytes:
-    """The hash value of one beat of ``service_id``, stamped now."""
+def heartbeat_value(service: str, service_id: str, stats: Mapping[str, float], start_time: float = 0.0) -> bytes:
+    """The hash value of one beat of ``service_id`` (this process, started at ``start_time``), stamped now."""
     return Heartbeat(service=service, service_id=service_id, time=time.time(),
-                     stats={k: float(v) for k, v in stats.items()}).to_wire()
+                     stats={k: float(v) for k, v in stats.items()}, host=socket.gethostname(), pid=os.getpid(),
+                     start_time=start_time).to_wire()
 
 
 def parse_heartbeats(raw: Mapping[bytes | str, bytes], *, max_age_s: float | None = None,
@@ -53,6 +56,7 @@ class HeartbeatWriter:
         self.client, self.key = client, key
         self.service, self.service_id = service, service_id
         self.interval_s = interval_s
+        self.start_time = time.time()
         self._next = 0.0
 
     def beat(self, stats: Mapping[str, float], *, force: bool = False) -> bool:
@@ -61,7 +65,8 @@ class HeartbeatWriter:
             return False
         self._next = now + self.interval_s
         try:
-            self.client.hset(self.key, self.service_id, heartbeat_value(self.service, self.service_id, stats))
+            self.client.hset(self.key, self.service_id, heartbeat_value(self.service, self.service_id, stats,
+                                                                      self.start_time))
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             log.warning("heartbeat not written: %s", exc)
         return True

@@ -30,6 +30,22 @@ SANITY_PROMPT = "What is the capital of France?"
 SANITY_ANSWER = "Paris"
 
 
+# the default model keeps its plain name, whether or not --model names its cache folder
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def served_model_name(served: str | None, model: str | None) -> str:
+    """What clients pass as ``model``, responses report and metrics label (``model_name``):
+    --served-model-name, else the model folder's name (vLLM reports the whole path; a cache path
+    makes a poor model name)."""
+    if served:
+        return served
+    if model:
+        name = Path(model.rstrip("/")).name or model
+        return DEFAULT_MODEL_NAME if name == Path(GGUF_FILE).stem else name
+    return DEFAULT_MODEL_NAME
+
+
 class ModelNotFoundError(FileNotFoundError):
     """The default model's package (or a given model path) is not where it should be."""
 

@@ -132,6 +132,7 @@ class GenerateRequest(Message):
     cache_salt: str | None = None
     tools: str | None = None  # the OpenAI tools, as JSON text: the chat template renders them
     arrival_time: float = 0.0
+    trace: dict[str, str] = field(default_factory=dict)  # W3C trace context (traceparent) of the gateway's span
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -146,6 +147,7 @@ class EngineRequest(Message):
     detok: DetokParams = field(default_factory=DetokParams)
     cache_salt: str | None = None
     arrival_time: float = 0.0
+    trace: dict[str, str] = field(default_factory=dict)  # W3C trace context of the tokenizer's span
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -188,6 +190,7 @@ class Admission(Message):
     engine_id: str = ""
     reply_to: str = ""
     detok: DetokParams = field(default_factory=DetokParams)
+    trace: dict[str, str] = field(default_factory=dict)  # W3C trace context of the engine's span
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -220,6 +223,9 @@ class Heartbeat(Message):
     service_id: str
     time: float
     stats: dict[str, float] = field(default_factory=dict)
+    host: str = ""
+    pid: int = 0
+    start_time: float = 0.0  # when the service started (time.time()): its uptime
 
 
 MESSAGE_TYPES: dict[int, type[Message]] = {

@@ -7,8 +7,10 @@ text prompts is encoded in one call (the Rust tokenizer spreads it over threads)
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from shared.protocol import (DetokParams, EngineRequest, ErrorInfo, FinishReason, GenerateRequest, Message,
                              ProtocolError, RequestOutput, StreamNames)
@@ -21,22 +23,31 @@ class _Work:
     text: str | None = None
     ids: list[int] | None = None
     error: ErrorInfo | None = None
+    span: Any = None  # the request's "tokenize" span, with tracing on
 
 
 class PromptEncoder:
-    """Owns the tokenizer and the length limit; turns each request into its outgoing messages."""
+    """Owns the tokenizer and the length limit; turns each request into its outgoing messages.
+    With ``tracing`` (shared.tracing.Tracing), a traced request gets a "tokenize" span (a
+    "chat_template" child for chat) whose context its EngineRequest carries on."""
 
-    def __init__(self, tokenizer, max_model_len: int, names: StreamNames):
+    def __init__(self, tokenizer, max_model_len: int, names: StreamNames, tracing=None):
         self.tokenizer = tokenizer
         self.chat = ChatRenderer(tokenizer)
         self.max_model_len = max_model_len
         self.vocab_size = len(tokenizer)
         self.names = names
+        self.tracing = tracing
 
     def encode_batch(self, requests: Sequence[GenerateRequest]) -> list[tuple[str, Message]]:
         """Every (stream, message) to send, in order: per request the echo (if asked) then the
         EngineRequest to the engines, or one error RequestOutput to its gateway."""
         work = [_Work(r) for r in requests]
+        if self.tracing is not None:
+            for w in work:
+                if w.request.trace:
+                    w.span = self.tracing.start("tokenize", w.request.trace,
+                                                attributes={"pagedserve.request_id": w.request.request_id})
         texts = []
         for w in work:
             self._prepare(w)
@@ -51,6 +62,11 @@ class PromptEncoder:
             if w.error is None:
                 self._check(w)
             out += self._emit(w)
+            if w.span is not None:
+                w.span.set_attribute("gen_ai.usage.prompt_tokens", len(w.ids or ()))
+                if w.error is not None:
+                    w.span.set_attribute("pagedserve.error", w.error.message)
+                w.span.end()
         return out
 
     def _prepare(self, w: _Work) -> None:
@@ -65,7 +81,10 @@ class PromptEncoder:
 
                 validate_constraint(r.sampling.structured_outputs)
             if r.messages is not None:
+                started = time.monotonic()
                 w.text, w.ids = self.chat.encode(r.messages, r.add_generation_prompt, _tools(r.tools))
+                if w.span is not None:
+                    self.tracing.span_between("chat_template", w.span, started, time.monotonic())
             elif r.prompt_token_ids is not None:
                 w.ids = list(r.prompt_token_ids)
                 if not all(0 <= t < self.vocab_size for t in w.ids):
@@ -104,7 +123,8 @@ class PromptEncoder:
                             min_tokens=s.min_tokens)
         out.append((self.names.engine_in, EngineRequest(
             request_id=r.request_id, reply_to=r.reply_to, prompt_token_ids=tuple(w.ids), sampling=s,
-            detok=detok, cache_salt=r.cache_salt, arrival_time=r.arrival_time)))
+            detok=detok, cache_salt=r.cache_salt, arrival_time=r.arrival_time,
+            trace=self.tracing.carrier(w.span) if w.span is not None else {})))
         return out
 
 

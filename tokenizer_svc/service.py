@@ -10,8 +10,10 @@ from shared.config import TokenizerConfig
 from shared.protocol import GROUP_TOKENIZER, ErrorInfo, FinishReason, GenerateRequest, Message, RequestOutput
 from shared.group_reader import GroupReader
 from shared.heartbeat import HeartbeatWriter
+from shared.logs import StatusLine, configure_logging
 from shared.models import load_tokenizer, model_max_len, resolve_model
 from shared.streams import Producer, connect
+from shared.tracing import make_tracing
 from tokenizer_svc.prompts import PromptEncoder
 
 log = logging.getLogger(__name__)
@@ -33,13 +35,16 @@ class TokenizerService:
         self.encoder = encoder
         self.stopping = threading.Event()
         self.num_requests = 0
+        self.status = StatusLine(log, config.telemetry.status_log_s, lambda: {"requests": self.num_requests},
+                                 lambda rates: f"tokenized {rates['requests']:.1f} requests/s")
 
     @classmethod
     def from_config(cls, config: TokenizerConfig) -> TokenizerService:
         """The engine's cap (``max_model_len``, parsed from the same flag as the engine's), else the model's."""
         max_len = config.max_model_len or model_max_len(resolve_model(config.model))
         tokenizer = load_tokenizer(config.model, config.tokenizer)
-        return cls(config, PromptEncoder(tokenizer, max_len, config.bus.names))
+        tracing = make_tracing("tokenizer", config.telemetry)
+        return cls(config, PromptEncoder(tokenizer, max_len, config.bus.names, tracing))
 
     def run(self) -> None:
         self.from_gateway.ensure_group()
@@ -56,7 +61,9 @@ class TokenizerService:
             self.to_engine.send_many(self._encode([e.msg for e in envelopes]))
             self.from_gateway.ack(envelopes)  # after publishing: a crash before this re-delivers
             self.num_requests += len(envelopes)
-        self.heartbeat.beat({"num_requests": self.num_requests})
+        self.heartbeat.beat({"num_requests": self.num_requests, "num_messages": self.num_requests,
+                             "num_reclaimed": self.from_gateway.num_reclaimed})
+        self.status.tick(busy=bool(envelopes))
         return len(envelopes)
 
     def _encode(self, requests: list[GenerateRequest]) -> list[tuple[str, Message]]:
@@ -83,7 +90,12 @@ class TokenizerService:
 
 
 def main(config: TokenizerConfig) -> None:
+    configure_logging("tokenizer", config.telemetry)
     service = TokenizerService.from_config(config)
     signal.signal(signal.SIGTERM, service.stop)
     signal.signal(signal.SIGINT, service.stop)
-    service.run()
+    try:
+        service.run()
+    finally:
+        if service.encoder.tracing is not None:
+            service.encoder.tracing.shutdown()

@@ -67,6 +67,7 @@ class Stack:
     gateway_args: list[str] = field(default_factory=list)
     prefix: str = field(default_factory=lambda: f"e2e{os.urandom(4).hex()}")
     port: int = field(default_factory=free_port)
+    engine_metrics_port: int = field(default_factory=free_port)  # the engine's own /metrics
     services: list[Service] = field(default_factory=list)
 
     @property
@@ -76,6 +77,10 @@ class Stack:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def engine_metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.engine_metrics_port}/metrics"
 
     def _common(self) -> list[str]:
         argv = ["--redis-url", self.redis_url, "--prefix", self.prefix, "--model", str(self.model_dir)]
@@ -103,7 +108,8 @@ class Stack:
     def start(self, timeout_s: float = 240.0) -> Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = self._env()
-        self._add("engine", "engine_svc", "--service-id", "engine-0", *self.engine_args)
+        self._add("engine", "engine_svc", "--service-id", "engine-0", "--metrics-port",
+                  str(self.engine_metrics_port), *self.engine_args)
         for i in range(self.num_tokenizers):
             self._add(f"tokenizer-{i}", "tokenizer_svc", "--service-id", f"tokenizer-{i}")
         self._add("detok-0", "detok_svc", "--shard", "0", "--service-id", "detok-0")

@@ -205,7 +205,7 @@ def test_models_health_version_metrics(stack, client):
     assert httpx.get(stack.base_url + "/health").status_code == 200
     assert httpx.get(stack.base_url + "/version").json()["version"]
     client.completions.create(model="tiny", prompt="x", max_tokens=2)
-    metrics = httpx.get(stack.base_url + "/metrics").text
+    metrics = httpx.get(stack.base_url + "/metrics").text + httpx.get(stack.engine_metrics_url).text
     for name in ("pagedserve:num_requests_running", "pagedserve:kv_cache_usage_perc",
                  "pagedserve:time_to_first_token_seconds_bucket", "pagedserve:generation_tokens_total"):
         assert name in metrics
