@@ -14,15 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.tool_calls import (
-    HermesToolParser,
-    NamedToolParser,
-    ParsedToolCalls,
-    RequiredToolParser,
-    parse_tool_calls,
-    read_all,
-    structured_outputs_for_tool_choice,
-)
+from gateway.tool_calls import ParsedToolCalls, parse_tool_calls, structured_outputs_for_tool_choice
+from gateway.tool_parsers import HermesToolParser, NamedToolParser, RequiredToolParser, read_all
 from shared.codec import ProtocolError
 from shared.structured import StructuredOutputs
 

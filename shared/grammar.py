@@ -26,10 +26,10 @@ def build_grammar(constraint: StructuredOutputs) -> xgr.Grammar:
     kind = constraint.kind
     try:
         if kind == "json":
-            return xgr.Grammar.from_json_schema(constraint.json, any_whitespace=not constraint.disable_any_whitespace)
+            return xgr.Grammar.from_json_schema(constraint.json, **_whitespace(constraint))
         if kind == "json_object":
             if constraint.disable_any_whitespace:  # the builtin JSON grammar always allows whitespace
-                return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+                return xgr.Grammar.from_json_schema('{"type": "object"}', **_whitespace(constraint))
             return xgr.Grammar.builtin_json_grammar()
         if kind == "regex":
             return xgr.Grammar.from_regex(constraint.regex)
@@ -40,6 +40,14 @@ def build_grammar(constraint: StructuredOutputs) -> xgr.Grammar:
     except (RuntimeError, ValueError, TypeError) as exc:
         raise ProtocolError(f"{PARAM_PREFIX}.{kind}: {clean_message(exc)}", f"{PARAM_PREFIX}.{kind}") from None
     raise ProtocolError(f"{PARAM_PREFIX}: no constraint is set", PARAM_PREFIX)
+
+
+def _whitespace(constraint: StructuredOutputs) -> dict:
+    """vLLM's default lets the model put whitespace where JSON allows it; without it (its
+    disable_any_whitespace), JSON is compact: "," and ":" with no space, as vLLM passes xgrammar."""
+    if constraint.disable_any_whitespace:
+        return {"any_whitespace": False, "separators": (",", ":")}
+    return {"any_whitespace": True}
 
 
 def validate_constraint(constraint: StructuredOutputs) -> None:

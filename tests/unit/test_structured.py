@@ -176,11 +176,11 @@ def test_json_schema_random_walk_validates(cache, tokenizer, name):
         jsonschema.validate(json.loads(text, strict=False), schema)
 
 
-def test_disable_any_whitespace_leaves_only_single_spaces(cache, tokenizer):
+def test_disable_any_whitespace_gives_compact_json(cache, tokenizer):
     constraint = StructuredOutputs(json=json.dumps(SCHEMAS["person"]), disable_any_whitespace=True)
     text = generate(cache, tokenizer, constraint, random.Random(1))
     outside_strings = re.sub(r'"(\\.|[^"\\])*"', '""', text)
-    assert not re.search(r"\s\s|[\n\t\r]", outside_strings)
+    assert not re.search(r"\s", outside_strings)  # vLLM's separators: "," and ":" alone
 
 
 def test_json_object_gives_an_object(cache, tokenizer):

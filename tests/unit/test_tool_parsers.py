@@ -14,10 +14,10 @@ import pytest
 
 from gateway.json_scanner import JsonScanner
 from gateway.tool_calls import (
-    HermesToolParser, ParsedToolCalls, StreamDelta, ToolCall, ToolCallDelta, new_tool_call_id, named_tool_schema,
-    parse_tool_calls, required_tool_schema, structured_outputs_for_tool_choice, tool_call_from_named,
-    tool_calls_from_required,
+    ParsedToolCalls, StreamDelta, ToolCall, ToolCallDelta, new_tool_call_id, named_tool_schema, parse_tool_calls,
+    required_tool_schema, structured_outputs_for_tool_choice,
 )
+from gateway.tool_parsers import HermesToolParser, tool_call_from_named, tool_calls_from_required
 from shared.codec import ProtocolError
 from tests.fixtures.schemas import SCHEMAS
 
