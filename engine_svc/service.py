@@ -119,8 +119,10 @@ class EngineService:
             self.finished.add(rid)
             return [(req.reply_to, RequestOutput(request_id=rid, finish_reason=FinishReason.ABORT,
                                                  num_choices=req.sampling.n))]
+        arrival = self.engine.scheduler.clock()  # the request's queued time, and its span's start
         try:
-            admission = self.engine.add_request(rid, req.prompt_token_ids, req.sampling, cache_salt=req.cache_salt)
+            admission = self.engine.add_request(rid, req.prompt_token_ids, req.sampling, cache_salt=req.cache_salt,
+                                                arrival_time=arrival)
         except ProtocolError as exc:
             code = getattr(exc, "code", 400)
             error = ErrorInfo(message=exc.message, param=exc.param, code=code,
@@ -131,7 +133,7 @@ class EngineService:
             return self._refuse(req, ErrorInfo(message=f"engine error: {type(exc).__name__}",
                                                type="InternalServerError", code=500))
         self.num_admitted += 1
-        trace = self._open_span(req) if self.tracing is not None and req.trace else {}
+        trace = self._open_span(req, arrival) if self.tracing is not None and req.trace else {}
         admission = dataclasses.replace(admission, engine_id=self.config.service_id, reply_to=req.reply_to,
                                         detok=req.detok, trace=trace)
         return [(self._detok_stream(rid), admission)]
@@ -187,8 +189,8 @@ class EngineService:
                 f"KV usage {s.get('kv_cache_usage', 0.0):.1%}, prompt {rates['prompt_tokens']:.1f} tokens/s, "
                 f"generation {rates['generation_tokens']:.1f} tokens/s, prefix-cache hit rate {hit_rate:.1%}")
 
-    def _open_span(self, req: EngineRequest) -> dict[str, str]:
-        span = self.tracing.start("engine", req.trace, attributes={
+    def _open_span(self, req: EngineRequest, arrival: float) -> dict[str, str]:
+        span = self.tracing.start("engine", req.trace, start_ns=self.tracing.wall_ns(arrival), attributes={
             "pagedserve.request_id": req.request_id, "pagedserve.engine": self.config.service_id,
             "gen_ai.request.n": req.sampling.n, "gen_ai.usage.prompt_tokens": len(req.prompt_token_ids)})
         self.spans[req.request_id] = span
