@@ -226,18 +226,6 @@ def run_closed_loop(base_url: str, model: str, specs: list[Spec], concurrency: i
 
 def wait_http(url: str, timeout_s: float, proc=None) -> bool:
     """Poll `url` until it answers 200 (False on timeout or when `proc` exits)."""
-    import urllib.error
-    import urllib.request
+    from shared.lifecycle import wait_http as wait
 
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if proc is not None and proc.poll() is not None:
-            return False
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return True
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.5)
-    return False
+    return wait(url, timeout_s, lambda: proc is None or proc.poll() is None, interval_s=0.5)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import signal
 import threading
 import time
 
@@ -15,6 +14,7 @@ from shared.config import DetokConfig
 from shared.protocol import Admission, TokenDelta
 from shared.group_reader import GroupReader
 from shared.heartbeat import HeartbeatWriter, read_heartbeats
+from shared.lifecycle import run_until_signalled
 from shared.logs import StatusLine, configure_logging
 from shared.models import load_tokenizer
 from shared.streams import Producer, connect
@@ -140,10 +140,4 @@ class DetokService:
 def main(config: DetokConfig) -> None:
     configure_logging("detok", config.telemetry)
     service = DetokService.from_config(config)
-    signal.signal(signal.SIGTERM, service.stop)
-    signal.signal(signal.SIGINT, service.stop)
-    try:
-        service.run()
-    finally:
-        if service.tracing is not None:
-            service.tracing.shutdown()
+    run_until_signalled(service, service.tracing)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 
 from engine_svc.iteration_stats import FinishedSequence, IterationStats
-from shared.telemetry import N_BUCKETS, PREFIX, REQUEST_LATENCY_BUCKETS, TOKEN_BUCKETS
+from shared.telemetry import N_BUCKETS, REQUEST_LATENCY_BUCKETS, TOKEN_BUCKETS, SeriesMaker
 
 log = logging.getLogger(__name__)
 STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -25,17 +25,8 @@ class EngineMetrics:
     def __init__(self, model_name: str, engine_id: str, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         self.labels = (model_name, engine_id)
-        names = ["model_name", "engine"]
-        r = self.registry
-
-        def gauge(name, doc):
-            return Gauge(PREFIX + name, doc, names, registry=r).labels(*self.labels)
-
-        def counter(name, doc):
-            return Counter(PREFIX + name, doc, names, registry=r).labels(*self.labels)
-
-        def histogram(name, doc, buckets):
-            return Histogram(PREFIX + name, doc, names, buckets=buckets, registry=r).labels(*self.labels)
+        make = SeriesMaker(self.registry, ["model_name", "engine"], self.labels)
+        gauge, counter, histogram = make.gauge, make.counter, make.histogram
 
         self.num_requests_running = gauge("num_requests_running", "Sequences in the running batch")
         self.num_requests_waiting = gauge("num_requests_waiting", "Sequences waiting (queued or preempted)")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import signal
 import threading
 import time
 from collections import OrderedDict
@@ -24,6 +23,7 @@ from shared.models import served_model_name
 from shared.protocol import (GROUP_ENGINE, Abort, EngineRequest, ErrorInfo, FinishReason, Message, ProtocolError,
                              RequestOutput, TokenDelta, detok_shard)
 from shared.heartbeat import HeartbeatWriter
+from shared.lifecycle import run_until_signalled
 from shared.group_reader import GroupReader
 from shared.streams import Producer, StreamReader, connect
 from shared.tracing import Tracing, make_tracing
@@ -242,10 +242,4 @@ def main(config: EngineServiceConfig) -> None:
     service = EngineService(config, engine, tracing=make_tracing("engine", config.telemetry))
     if config.metrics_port:
         service.metrics.serve(config.metrics_port)
-    signal.signal(signal.SIGTERM, service.stop)
-    signal.signal(signal.SIGINT, service.stop)
-    try:
-        service.run()
-    finally:
-        if service.tracing is not None:
-            service.tracing.shutdown()
+    run_until_signalled(service, service.tracing)

@@ -25,8 +25,8 @@ from gateway.auth import APIKeyMiddleware
 from gateway.config import accepts_model
 from gateway.context import GatewayContext
 from gateway.errors import APIError, not_found_model
-from gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ServerOptions,
-                                     TokenizeRequest)
+from gateway.openai_protocol.request_bodies import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                    ServerOptions, TokenizeRequest)
 from gateway.renderer import ChatCompletionRenderer, TextCompletionRenderer
 from gateway.responder import Responder
 from gateway.submission import Submission

@@ -15,7 +15,7 @@ from json.encoder import encode_basestring  # json.dumps(str, ensure_ascii=False
 from pydantic import BaseModel
 
 from gateway.choice import ChoiceState
-from gateway.openai_protocol import (
+from gateway.openai_protocol.response_bodies import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,

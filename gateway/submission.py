@@ -10,7 +10,7 @@ from typing import Protocol
 from gateway.choice import ChoiceState, PromptState
 from gateway.direct_write import DirectWriter
 from gateway.errors import APIError
-from gateway.openai_protocol import UsageInfo
+from gateway.openai_protocol.response_bodies import UsageInfo
 from gateway.renderer import make_usage
 from shared.protocol import GenerateRequest, RequestOutput
 

@@ -18,12 +18,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 
 from shared import flags
 from shared.config import ServeConfig
+from shared.lifecycle import wait_http
 from shared.models import resolve_model
 from shared.placement import bus_cpus, pin
 from shared.redis_server import RedisServer, die_with_parent
@@ -114,18 +113,7 @@ class Supervisor:
         return next((c for c in self.children if not c.is_alive), None)
 
     def wait_healthy(self, url: str, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while not self.stopping and time.monotonic() < deadline:
-            if self.dead_child() is not None:
-                return False
-            try:
-                with urllib.request.urlopen(url, timeout=2) as resp:
-                    if resp.status == 200:
-                        return True
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.25)
-        return False
+        return wait_http(url, timeout_s, lambda: not self.stopping and self.dead_child() is None)
 
     def watch(self) -> Child | None:
         while not self.stopping:

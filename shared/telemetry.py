@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the gateway)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -37,20 +37,36 @@ N_BUCKETS = (1, 2, 5, 10, 20)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
+class SeriesMaker:
+    """Makes a registry's series under PREFIX with one set of label names (``extra`` adds some to
+    a counter); with ``values`` given, each series comes bound to them (``.labels(*values)``)."""
+
+    def __init__(self, registry: CollectorRegistry, label_names: list[str], values: tuple | None = None):
+        self.registry, self.label_names, self.values = registry, label_names, values
+
+    def gauge(self, name: str, doc: str):
+        return self._bind(Gauge(PREFIX + name, doc, self.label_names, registry=self.registry))
+
+    def counter(self, name: str, doc: str, extra: tuple[str, ...] = ()):
+        return self._bind(Counter(PREFIX + name, doc, [*self.label_names, *extra], registry=self.registry))
+
+    def histogram(self, name: str, doc: str, buckets):
+        return self._bind(Histogram(PREFIX + name, doc, self.label_names, buckets=buckets, registry=self.registry))
+
+    def _bind(self, series):
+        return series.labels(*self.values) if self.values is not None else series
+
+
 class GatewayMetrics:
     """The figures one gateway owns, fed as each HTTP request ends (``observe_request``)."""
 
     def __init__(self, model_name: str = "", registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
-        labels = ["model_name"]
-        r = self.registry
-
-        def histogram(name, doc, buckets):
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r)
-
-        self.request_success = Counter(PREFIX + "request_success", "Finished choices, by the reason the client got",
-                                       labels + ["finished_reason"], registry=r)
+        make = SeriesMaker(self.registry, ["model_name"])
+        histogram = make.histogram
+        self.request_success = make.counter("request_success", "Finished choices, by the reason the client got",
+                                            extra=("finished_reason",))
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival at the gateway to first output",
                                              LATENCY_BUCKETS)
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between outputs of a request",

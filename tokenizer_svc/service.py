@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 
 from shared.config import TokenizerConfig
 from shared.protocol import GROUP_TOKENIZER, ErrorInfo, FinishReason, GenerateRequest, Message, RequestOutput
 from shared.group_reader import GroupReader
 from shared.heartbeat import HeartbeatWriter
+from shared.lifecycle import run_until_signalled
 from shared.logs import StatusLine, configure_logging
 from shared.models import load_tokenizer, model_max_len, resolve_model
 from shared.streams import Producer, connect
@@ -92,10 +92,4 @@ class TokenizerService:
 def main(config: TokenizerConfig) -> None:
     configure_logging("tokenizer", config.telemetry)
     service = TokenizerService.from_config(config)
-    signal.signal(signal.SIGTERM, service.stop)
-    signal.signal(signal.SIGINT, service.stop)
-    try:
-        service.run()
-    finally:
-        if service.encoder.tracing is not None:
-            service.encoder.tracing.shutdown()
+    run_until_signalled(service, service.encoder.tracing)

@@ -12,7 +12,7 @@ from gateway.app import build_app
 from shared.config import GatewayConfig
 from gateway.config import GatewayLimits
 from gateway.errors import APIError
-from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
+from gateway.openai_protocol.request_bodies import ChatCompletionRequest, CompletionRequest
 from gateway.renderer import chat_logprobs, completion_logprobs
 from shared.protocol import ChatMessage, ProtocolError, SamplingParams, TextLogprobs
 

@@ -14,7 +14,7 @@ from starlette.testclient import TestClient
 
 from gateway.app import build_app
 from gateway.config import GatewayLimits
-from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, ServerOptions
+from gateway.openai_protocol.request_bodies import ChatCompletionRequest, CompletionRequest, ServerOptions
 from gateway.tool_calls import required_tool_schema
 from gateway.tool_parsers import NamedToolParser, RequiredToolParser, read_all, tool_calls_from_required
 from shared.config import GatewayConfig
