@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.sampling_params import FinishReason
+
 
 @dataclass(frozen=True, slots=True)
 class FinishedSequence:
@@ -56,3 +58,33 @@ class IterationStats:
     step_tokens: list[int] = field(default_factory=list)
     admitted: list[tuple[int, int]] = field(default_factory=list)
     finished: list[FinishedSequence] = field(default_factory=list)
+
+
+# The scheduler's notes, made where the events happen (on Request fields the stats read later).
+def note_chunk(request, num_tokens: int, step_start: float, now: float, record_decode_steps: bool) -> None:
+    """A chunk of ``request`` ran from ``step_start`` to ``now``: a prompt chunk (or a recompute)
+    is kept; a decode step only when every step is recorded (--collect-detailed-traces)."""
+    if num_tokens > 1 or request.first_token_time is None:
+        request.prefill_chunks.append((step_start, now, num_tokens))
+    elif record_decode_steps:
+        request.decode_steps.append((step_start, now))
+
+
+def note_token(stats: IterationStats, request, now: float) -> None:
+    """A token was sampled for ``request``: the first one completes the prefill, and counts the
+    prompt once per request (children and beams are forked with index > 0 or a first token)."""
+    stats.num_generation_tokens += 1
+    if request.first_token_time is None:
+        request.first_token_time = now
+        if request.index == 0:
+            stats.num_prompt_tokens += request.num_prompt_tokens
+    request.last_token_time = now
+
+
+def finished_record(request, now: float, max_tokens: int) -> FinishedSequence:
+    """The record of a sequence that finished at ``now`` (its reason ABORT when it has none)."""
+    return FinishedSequence(
+        request.request_id, request.index, int(request.finish_reason or FinishReason.ABORT), request.arrival_time,
+        request.scheduled_time, request.first_token_time, request.last_token_time, now, request.num_prompt_tokens,
+        request.num_cached_tokens, request.num_output_tokens, max_tokens, tuple(request.preemption_times),
+        tuple(request.prefill_chunks), tuple(request.decode_steps))

@@ -65,6 +65,17 @@ class Request:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
 
+    def spawn(self, index: int, token_ids: list[int], **changes) -> Request:
+        """A sibling sequence of the same request (an n > 1 child, a beam) that starts from
+        ``token_ids``: it shares the prompt, parameters and phase times so far, and gets its own
+        copy of the grammar state."""
+        return Request(self.request_id, self.prompt_token_ids, self.params, index=index, cache_salt=self.cache_salt,
+                       arrival_time=self.arrival_time, token_ids=token_ids, num_cached_tokens=self.num_cached_tokens,
+                       beam=self.beam, matcher=self.matcher.fork() if self.matcher is not None else None,
+                       scheduled_time=self.scheduled_time, first_token_time=self.first_token_time,
+                       last_token_time=self.last_token_time, preemption_times=list(self.preemption_times),
+                       prefill_chunks=list(self.prefill_chunks), **changes)
+
     @property
     def key(self) -> tuple[str, int]:
         return (self.request_id, self.index)

@@ -10,7 +10,8 @@ from collections.abc import Callable, Iterable
 from engine_svc.beam_search import BeamGroup, BeamSearch
 from engine_svc.block_manager import BlockManager
 from engine_svc.config import EngineConfig
-from engine_svc.iteration_stats import FinishedSequence, IterationStats
+from engine_svc.deltas import beam_deltas, check_stop, final_delta, make_delta
+from engine_svc.iteration_stats import IterationStats, finished_record, note_chunk, note_token
 from engine_svc.request import Request, RequestStatus, make_generator
 from engine_svc.scheduler_output import SampleRow, ScheduledChunk, SamplerOutput, SchedulerOutput, SeqKey
 from shared.protocol import ErrorInfo, FinishReason, ProtocolError, TokenDelta
@@ -90,12 +91,12 @@ class Scheduler:
                     self.waiting.remove(request)
                 self.block_manager.free(request)
                 request.finish(reason)
-                self.stats.finished.append(self._finished(request, now))
+                self.stats.finished.append(finished_record(request, now, self._max_tokens(request)))
                 if request.beam is None:
-                    self._aborted.append(self._delta(request))
+                    self._aborted.append(make_delta(request))
             n = first.params.n
             unstarted = range(n) if first.beam is not None else range(n - first.num_children_pending, n)
-            self._aborted += [self._final(first, index, reason) for index in unstarted]
+            self._aborted += [final_delta(first, index, reason) for index in unstarted]
         if error is not None:
             self._aborted[num_before:] = [dataclasses.replace(d, error=error) for d in self._aborted[num_before:]]
 
@@ -213,14 +214,8 @@ class Scheduler:
         """n > 1: the prompt was computed once; the other n - 1 sequences share its blocks."""
         children = []
         for index in range(parent.params.n - parent.num_children_pending, parent.params.n):
-            child = Request(parent.request_id, parent.prompt_token_ids, parent.params, index=index,
-                            cache_salt=parent.cache_salt, arrival_time=parent.arrival_time,
-                            token_ids=list(parent.token_ids), num_cached_tokens=parent.num_cached_tokens,
-                            status=RequestStatus.RUNNING, scheduled_time=parent.scheduled_time,
-                            preemption_times=list(parent.preemption_times),
-                            prefill_chunks=list(parent.prefill_chunks),
-                            generator=make_generator(parent.params.seed, index, self.generator_device),
-                            matcher=parent.matcher.fork() if parent.matcher is not None else None)
+            child = parent.spawn(index, list(parent.token_ids), status=RequestStatus.RUNNING,
+                                 generator=make_generator(parent.params.seed, index, self.generator_device))
             self.block_manager.fork(parent, child)
             child.num_computed_tokens = num_computed
             self.requests[parent.request_id].append(child)
@@ -242,14 +237,14 @@ class Scheduler:
         now = self.clock()
         for request, chunk in zip(self._scheduled, plan.chunks):
             request.num_computed_tokens += len(chunk.token_ids)
-            self._note_chunk(request, len(chunk.token_ids), now)
+            note_chunk(request, len(chunk.token_ids), self._step_start, now, self.record_decode_steps)
         deltas, self._aborted = self._aborted, []
         any_finished = False
         groups: list[BeamGroup] = []
         for key, request in self._sampled.items():
             if request.is_finished:  # aborted while the step ran
                 continue
-            self._note_token(request, now)
+            note_token(self.stats, request, now)
             if request.beam is not None:
                 request.beam.rows[request] = sampled.beam_candidates[key]
                 if request.beam not in groups:
@@ -257,15 +252,15 @@ class Scheduler:
                 continue
             token_id = sampled.token_ids[key]
             request.append_token(token_id, sampled.logprobs.get(key))
-            self._check_stop(request, token_id)
+            check_stop(request, token_id, self.eos_token_ids, self.max_model_len)
             if request.matcher is not None and not request.is_finished:
                 self._advance_grammar(request, token_id)
-            deltas.append(self._delta(request))
+            deltas.append(make_delta(request))
             if request.is_finished:
                 any_finished = True
                 self.block_manager.free(request)
                 self._forget(request)
-                self.stats.finished.append(self._finished(request, now))
+                self.stats.finished.append(finished_record(request, now, self._max_tokens(request)))
         for group in groups:
             if group.is_ready():
                 deltas += self._advance_beams(group, now)
@@ -292,27 +287,14 @@ class Scheduler:
             self.requests[first.request_id] = group.beams
             return []
         del self.requests[first.request_id]
-        n = first.params.n
-        best = group.search.best(n)
-        finals = [TokenDelta(request_id=first.request_id, seq=0, index=i, new_token_ids=tuple(h.token_ids),
-                             cumulative_logprob=h.cumulative_logprob,
-                             finish_reason=int(FinishReason.STOP if h.ends_with_eos else FinishReason.LENGTH),
-                             num_prompt_tokens=first.num_prompt_tokens, num_cached_tokens=first.num_cached_tokens,
-                             num_choices=n)
-                  for i, h in enumerate(best)]
-        for delta in finals:
-            self.stats.finished.append(dataclasses.replace(
-                self._finished(first, now), index=delta.index, finish_reason=delta.finish_reason,
-                num_generation_tokens=len(delta.new_token_ids)))
-        return finals + [self._final(first, i, FinishReason.LENGTH) for i in range(len(best), n)]
+        finals = beam_deltas(first, group.search.best(first.params.n))
+        record = finished_record(first, now, self._max_tokens(first))
+        self.stats.finished += [dataclasses.replace(record, index=d.index, finish_reason=d.finish_reason,
+                                                    num_generation_tokens=len(d.new_token_ids)) for d in finals]
+        return finals
 
     def _fork_beam(self, parent: Request, token_id: int, slot: int) -> Request:
-        child = Request(parent.request_id, parent.prompt_token_ids, parent.params, index=slot,
-                        cache_salt=parent.cache_salt, arrival_time=parent.arrival_time,
-                        token_ids=parent.token_ids + [token_id], num_cached_tokens=parent.num_cached_tokens,
-                        beam=parent.beam, scheduled_time=parent.scheduled_time,
-                        first_token_time=parent.first_token_time, last_token_time=parent.last_token_time,
-                        preemption_times=list(parent.preemption_times), prefill_chunks=list(parent.prefill_chunks), matcher=parent.matcher.fork() if parent.matcher is not None else None)
+        child = parent.spawn(slot, parent.token_ids + [token_id])
         if child.matcher is not None:
             child.matcher.accept(token_id)
         if parent.block_table:
@@ -338,72 +320,12 @@ class Scheduler:
         stats, self.stats = self.stats, IterationStats()
         return stats
 
-    def _note_chunk(self, request: Request, num_tokens: int, now: float) -> None:
-        if num_tokens > 1 or request.first_token_time is None:  # a prompt chunk (or a recompute)
-            request.prefill_chunks.append((self._step_start, now, num_tokens))
-        elif self.record_decode_steps:
-            request.decode_steps.append((self._step_start, now))
-
-    def _note_token(self, request: Request, now: float) -> None:
-        """A token was sampled for ``request``: the first one completes the prefill, and counts the
-        prompt once per request (children and beams are forked with index > 0 or a first token)."""
-        self.stats.num_generation_tokens += 1
-        if request.first_token_time is None:
-            request.first_token_time = now
-            if request.index == 0:
-                self.stats.num_prompt_tokens += request.num_prompt_tokens
-        request.last_token_time = now
-
     def _max_tokens(self, request: Request) -> int:
         return request.params.max_tokens or self.max_model_len - request.num_prompt_tokens
-
-    def _finished(self, request: Request, now: float) -> FinishedSequence:
-        return FinishedSequence(
-            request.request_id, request.index, int(request.finish_reason or FinishReason.ABORT),
-            request.arrival_time, request.scheduled_time, request.first_token_time, request.last_token_time, now,
-            request.num_prompt_tokens, request.num_cached_tokens, request.num_output_tokens,
-            self._max_tokens(request), tuple(request.preemption_times), tuple(request.prefill_chunks),
-            tuple(request.decode_steps))
 
     def take_aborted(self) -> list[TokenDelta]:
         deltas, self._aborted = self._aborted, []
         return deltas
-
-    def _check_stop(self, request: Request, token_id: int) -> None:
-        params = request.params
-        num_output = request.num_output_tokens
-        if num_output >= params.min_tokens:
-            if token_id in params.stop_token_ids:
-                return request.finish(FinishReason.STOP, stop_reason=token_id)
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                return request.finish(FinishReason.STOP)
-        if params.max_tokens is not None and num_output >= params.max_tokens:
-            return request.finish(FinishReason.LENGTH)
-        if request.num_tokens >= self.max_model_len:
-            return request.finish(FinishReason.LENGTH)
-
-    def _delta(self, request: Request) -> TokenDelta:
-        wants_logprobs = request.params.logprobs is not None
-        delta = TokenDelta(
-            request_id=request.request_id, seq=request.num_deltas_sent, index=request.index,
-            new_token_ids=tuple(request.pending_token_ids),
-            logprobs=tuple(request.pending_logprobs) if wants_logprobs else None,
-            cumulative_logprob=request.cumulative_logprob if wants_logprobs else None,
-            finish_reason=int(request.finish_reason) if request.finish_reason else None,
-            stop_reason=request.stop_reason, num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens,
-            num_choices=request.params.n)
-        request.num_deltas_sent += 1
-        request.pending_token_ids = []
-        request.pending_logprobs = []
-        return delta
-
-    @staticmethod
-    def _final(first: Request, index: int, reason: FinishReason) -> TokenDelta:
-        """The token-less final delta of a choice that never produced one (a child not forked yet,
-        a beam request's choice)."""
-        return TokenDelta(request_id=first.request_id, seq=0, index=index, finish_reason=int(reason),
-                          num_prompt_tokens=first.num_prompt_tokens, num_cached_tokens=first.num_cached_tokens,
-                          num_choices=first.params.n)
 
     def _forget(self, request: Request) -> None:
         family = self.requests.get(request.request_id)
