@@ -18,15 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shared.redis_server import free_port
 from tests.e2e.stack import ROOT, Stack
+from tests.unit.test_engine_metrics import ENGINE_NAMES  # the list of engine series
 
 GATEWAY_NAMES = ("request_success_total", "time_to_first_token_seconds", "inter_token_latency_seconds",
                  "e2e_request_latency_seconds")
-ENGINE_NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
-                "generation_tokens_total", "num_preemptions_total", "prefix_cache_queries_total",
-                "prefix_cache_hits_total", "iteration_tokens_total", "request_queue_time_seconds",
-                "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
-                "request_prompt_tokens", "request_generation_tokens", "request_params_n",
-                "request_params_max_tokens")
 # 64 usable blocks of 16 and 2 sequences at most: two 16 + 1000 token sequences meet at 512 tokens
 # each, where the newer is preempted (once: it cannot come back before the other one finishes)
 ENGINE_ARGS = ["--enforce-eager", "--served-model-name", "tiny", "--block-size", "16", "--num-gpu-blocks-override",
