@@ -77,8 +77,6 @@ class PromptEncoder:
                 raise ProtocolError("give exactly one of prompt, prompt_token_ids or messages", "prompt")
             r.sampling.validate(self.vocab_size)
             if r.sampling.structured_outputs is not None:
-                from shared.grammar import validate_constraint  # xgrammar (and torch): only when used
-
                 validate_constraint(r.sampling.structured_outputs)
             if r.messages is not None:
                 started = time.monotonic()
@@ -138,3 +136,14 @@ def _tools(text: str | None) -> list | None:
     if not isinstance(tools, list):
         raise ProtocolError("tools must be an array", "tools")
     return tools
+
+
+def validate_constraint(constraint) -> None:
+    """xgrammar's parse of a structured-output constraint (imported only when one is used: it
+    imports torch); a server installed without xgrammar refuses the request with a clear 501."""
+    try:
+        from shared.grammar import validate_constraint as parse
+    except ImportError:
+        raise ProtocolError("structured outputs need the xgrammar package on this server "
+                            "(pip install --no-deps xgrammar==0.2.9)", "structured_outputs", code=501) from None
+    parse(constraint)

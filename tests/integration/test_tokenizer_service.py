@@ -149,3 +149,19 @@ def test_the_engines_max_model_len_caps_prompts_at_the_tokenizer(redis_url, redi
     assert err.request_id == "long" and err.finish_reason == FinishReason.ERROR
     assert err.error.code == 400 and err.error.param == "prompt"
     assert err.error.message.startswith("This model's maximum context length is 16 tokens. However, you requested")
+
+
+def test_a_constraint_on_a_server_without_xgrammar_is_refused_clearly(monkeypatch, hf_tokenizer):
+    """Installed without xgrammar (a plain `pip install`: make and the Dockerfile add it), a
+    structured-output request gets a 501 that says what is missing; other requests are served."""
+    from shared.structured import StructuredOutputs
+
+    monkeypatch.setitem(__import__("sys").modules, "shared.grammar", None)  # the import now fails
+    encoder = PromptEncoder(hf_tokenizer, 128, StreamNames("x"))
+    constrained = GenerateRequest(request_id="c", reply_to="g", prompt="hi", sampling=SamplingParams(
+        structured_outputs=StructuredOutputs(regex="a")))
+    plain = GenerateRequest(request_id="p", reply_to="g", prompt="hi")
+    (_, refused), (_, served) = encoder.encode_batch([constrained, plain])
+    assert refused.error.code == 501 and "xgrammar" in refused.error.message
+    assert refused.error.param == "structured_outputs"
+    assert isinstance(served, EngineRequest)
