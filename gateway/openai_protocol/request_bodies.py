@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,7 +25,10 @@ from gateway.tool_choice import NO_TOOLS, ToolPolicy, tool_policy
 from shared.protocol import ChatMessage, ProtocolError, SamplingParams, ToolCallMessage
 from shared.structured import StructuredOutputs
 
-TokenIds = list[int]
+# Every integer a client sends must fit the bus's 64-bit integers (MessagePack): a larger one is a
+# 400 naming its field here, not a failed publish later.
+Int64 = Annotated[int, Field(ge=-(1 << 63), le=(1 << 63) - 1)]
+TokenIds = list[Int64]
 
 
 class _RequestBody(BaseModel):
@@ -82,20 +85,20 @@ class _SamplingFields(_RequestBody):
     """The sampling fields shared by completions and chat (OpenAI's plus vLLM's extras)."""
 
     model: str | None = None
-    n: int = 1
+    n: Int64 = 1
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
@@ -192,20 +195,23 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     if not bias:
         return None
     try:
-        return {int(token): float(value) for token, value in bias.items()}
+        out = {int(token): float(value) for token, value in bias.items()}
     except ValueError:
         raise ProtocolError("logit_bias keys must be token ids", "logit_bias") from None
+    if not all(-(1 << 63) <= token < (1 << 63) for token in out):
+        raise ProtocolError("logit_bias keys must be token ids", "logit_bias")
+    return out
 
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions. ``prompt``: a string, strings, token ids, or lists of token ids."""
 
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = 16
+    max_tokens: Int64 | None = 16
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Int64 | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
 
     def prompts(self) -> list[str | tuple[int, ...]]:
         """One entry per prompt; each becomes one GenerateRequest."""
@@ -290,10 +296,10 @@ class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessageIn]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -347,4 +353,4 @@ class TokenizeRequest(_RequestBody):
 
 class DetokenizeRequest(_RequestBody):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int64]

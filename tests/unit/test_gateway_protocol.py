@@ -173,6 +173,15 @@ def assert_envelope(resp, status: int, param: str | None = "any"):
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}', 400, "any"),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": []}', 400, "messages"),
     ("/v1/chat/completions", b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
+    # integers past 64 bits cannot cross the bus: a 400 naming the field, not a failed publish
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": %d}' % (1 << 70), 400, "max_tokens"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "top_k": %d}' % (1 << 64), 400, "top_k"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "seed": -%d}' % (1 << 70), 400, "seed"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": [1, %d]}' % (1 << 70), 400, "prompt"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stop_token_ids": [%d]}' % (1 << 70), 400, "stop_token_ids.0"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "logit_bias": {"%d": 1}}' % (1 << 70), 400, "logit_bias"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": %d}'
+     % (1 << 70), 400, "max_completion_tokens"),
 ])
 def test_bad_requests_get_status_and_envelope(client, path, body, status, param):
     resp = client.post(path, content=body, headers={"content-type": "application/json"})
