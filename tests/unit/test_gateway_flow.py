@@ -7,6 +7,7 @@ The same flows run against the real stack in tests/e2e.
 
 from __future__ import annotations
 
+import dataclasses
 import asyncio
 import json
 
@@ -84,9 +85,11 @@ def words(request: GenerateRequest, texts=("Hello", " world"), *, duplicate=Fals
 def make_client():
     clients = []
 
-    def make(script, **limits):
-        config = GatewayConfig(served_model_name="tiny")
-        ctx = ScriptedContext(config, GatewayLimits(**limits), script)
+    def make(script, **settings):
+        """``settings``: GatewayLimits fields go to the limits, the rest to the GatewayConfig."""
+        limit_names = {f.name for f in dataclasses.fields(GatewayLimits)}
+        config = GatewayConfig(served_model_name="tiny", **{k: v for k, v in settings.items() if k not in limit_names})
+        ctx = ScriptedContext(config, GatewayLimits(**{k: v for k, v in settings.items() if k in limit_names}), script)
         client = TestClient(build_app(config, context=ctx), raise_server_exceptions=False)
         client.__enter__()
         clients.append(client)

@@ -12,16 +12,13 @@ import pydantic
 import pytest
 from starlette.testclient import TestClient
 
-from gateway.app import build_app
-from gateway.config import GatewayLimits
 from gateway.openai_protocol.request_bodies import ChatCompletionRequest, CompletionRequest, ServerOptions
 from gateway.tool_calls import required_tool_schema
 from gateway.tool_parsers import NamedToolParser, RequiredToolParser, read_all, tool_calls_from_required
-from shared.config import GatewayConfig
 from shared.protocol import (ChatMessage, ErrorInfo, FinishReason, GenerateRequest, ProtocolError, RequestOutput,
                              ToolCallMessage, Usage)
 from tests.fixtures.schemas import SCHEMAS
-from tests.unit.test_gateway_flow import ScriptedContext, sse_events
+from tests.unit.test_gateway_flow import make_client, sse_events  # noqa: F401 (make_client: a fixture)
 
 # strict: the openai client's parse() and stream() helpers parse only strict tools' arguments
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -190,23 +187,6 @@ def texts(*pieces: str):
                     usage=Usage(prompt_tokens=3, completion_tokens=len(pieces) * n) if last and index == n - 1 else None))
         return outs
     return script
-
-
-@pytest.fixture
-def make_client():
-    clients = []
-
-    def make(script, **config):
-        config = GatewayConfig(served_model_name="tiny", **config)
-        ctx = ScriptedContext(config, GatewayLimits(), script)
-        client = TestClient(build_app(config, context=ctx), raise_server_exceptions=False)
-        client.__enter__()
-        clients.append(client)
-        return client, ctx
-
-    yield make
-    for client in clients:
-        client.__exit__(None, None, None)
 
 
 def openai_client(http: TestClient) -> openai.OpenAI:
