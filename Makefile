@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast bench bench-vllm gpu clean
+.PHONY: setup serve test test-fast bench bench-vllm bench-soak gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ bench: setup
 
 bench-vllm: setup
 	$(BIN)/python bench/vllm_peer.py
+
+# 10 minutes of load while a tokenizer, an engine and Redis fail (issue 14's soak)
+bench-soak: setup
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python bench/soak.py
 
 gpu:
 	$(BIN)/python -m pip install -q -e '.[gpu]'
