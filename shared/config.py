@@ -176,6 +176,17 @@ class StatusConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RestartConfig:
+    """How `serve` restarts a child that died (shared.lifecycle.RestartTracker): the backoff
+    before each restart, and how many start-up failures in a row stop the stack."""
+
+    restart_backoff_s: float = 1.0  # the first restart waits this long; each further one twice as long
+    restart_backoff_max_s: float = 30.0  # ... up to this
+    restart_reset_after_s: float = 60.0  # a child that stayed up this long starts its backoff over
+    max_start_failures: int = 3  # deaths in a row without becoming healthy: serve stops
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ServeConfig:
     """`pagedserve serve`: the stack's shape (how many of each service, where they run) and the
     config every child of a kind starts from (its identity is added per child)."""
@@ -193,3 +204,4 @@ class ServeConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     engine: EngineServiceConfig = field(default_factory=EngineServiceConfig)
     detok: DetokConfig = field(default_factory=DetokConfig)
+    restart: RestartConfig = field(default_factory=RestartConfig)

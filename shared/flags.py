@@ -164,6 +164,14 @@ FLAGS: tuple[Flag, ...] = (
               "the detok shards, the engine on every CPU (shared/placement.py); none: the kernel places them"),
     Flag(name="--startup-timeout", field="startup_timeout_s", parse=float, used_by=frozenset({"serve"}),
          help="seconds to wait for /health"),
+    Flag(name="--restart-backoff", field="restart_backoff_s", parse=float, used_by=frozenset({"serve"}),
+         help="seconds before a dead child's first restart; doubled for each further one"),
+    Flag(name="--restart-backoff-max", field="restart_backoff_max_s", parse=float, used_by=frozenset({"serve"}),
+         help="the longest wait before a restart"),
+    Flag(name="--restart-reset-after", field="restart_reset_after_s", parse=float, used_by=frozenset({"serve"}),
+         help="a child that stayed up this many seconds starts its backoff over"),
+    Flag(name="--max-start-failures", field="max_start_failures", parse=int, used_by=frozenset({"serve"}),
+         help="a child that dies this many times in a row before it is healthy stops serve (exit 1)"),
 )
 
 DESCRIPTIONS = {"serve": "the whole stack on one machine", "gateway": "the OpenAI-compatible HTTP gateway",
