@@ -83,6 +83,12 @@ class GatewayLimits:
     max_body_bytes: int = 16 << 20  # larger bodies answer 413
     max_pending_requests: int = 4096  # more HTTP requests in flight answer 429
     heartbeat_max_age_s: float = 10.0  # /health: an engine heartbeat younger than this
+    body_timeout_s: float = 30.0  # a request body not fully received in this long answers 408
+    # the gateway's Redis commands share this many connections; a request waits up to
+    # redis_pool_timeout_s for one (then 503) instead of failing while all are busy
+    redis_max_connections: int = 128
+    redis_pool_timeout_s: float = 10.0
+    health_poll_s: float = 0.5  # /health answers from the heartbeats read this often in the background
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
