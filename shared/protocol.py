@@ -133,6 +133,10 @@ class GenerateRequest(Message):
     tools: str | None = None  # the OpenAI tools, as JSON text: the chat template renders them
     arrival_time: float = 0.0
     trace: dict[str, str] = field(default_factory=dict)  # W3C trace context (traceparent) of the gateway's span
+    # a resubmission after the request's engine died (failover): the output tokens already delivered
+    # (n = 1; empty when nothing was) and the seq the request's outputs go on from
+    resumed_token_ids: tuple[int, ...] = ()
+    resumed_seq: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -148,6 +152,9 @@ class EngineRequest(Message):
     cache_salt: str | None = None
     arrival_time: float = 0.0
     trace: dict[str, str] = field(default_factory=dict)  # W3C trace context of the tokenizer's span
+    # failover: outputs already delivered, which the engine re-prefills after the prompt and goes on from
+    resumed_token_ids: tuple[int, ...] = ()
+    resumed_seq: int = 0  # the seq its first TokenDelta carries (the dead engine's deltas came before)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -194,6 +201,18 @@ class Admission(Message):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Resume(Message):
+    """detok -> gateway: the engine generating this request died; resubmit it with the output
+    tokens the detokenizer already took (``token_ids``), to go on at ``next_seq`` (failover)."""
+
+    TAG: ClassVar[int] = 8
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    next_seq: int = 0
+    engine_id: str = ""  # the engine that died
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RequestOutput(Message):
     """anything -> gateway: text for one choice of a request, or the error that ended it."""
 
@@ -230,7 +249,7 @@ class Heartbeat(Message):
 
 MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.TAG: cls for cls in (GenerateRequest, EngineRequest, Abort, TokenDelta, RequestOutput, Heartbeat,
-                          Admission)
+                          Admission, Resume)
 }
 
 
