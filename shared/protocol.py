@@ -9,6 +9,7 @@ checked against its annotation (``shared/codec.py``), and anything wrong raises 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -133,6 +134,7 @@ class GenerateRequest(Message):
     tools: str | None = None  # the OpenAI tools, as JSON text: the chat template renders them
     arrival_time: float = 0.0
     trace: dict[str, str] = field(default_factory=dict)  # W3C trace context (traceparent) of the gateway's span
+    deadline: float = 0.0  # unix time after which nobody computes it (check_deadline); 0: none (old senders)
     # a resubmission after the request's engine died (failover): the output tokens already delivered
     # (n = 1; empty when nothing was) and the seq the request's outputs go on from
     resumed_token_ids: tuple[int, ...] = ()
@@ -152,6 +154,7 @@ class EngineRequest(Message):
     cache_salt: str | None = None
     arrival_time: float = 0.0
     trace: dict[str, str] = field(default_factory=dict)  # W3C trace context of the tokenizer's span
+    deadline: float = 0.0  # the GenerateRequest's, copied through
     # failover: outputs already delivered, which the engine re-prefills after the prompt and goes on from
     resumed_token_ids: tuple[int, ...] = ()
     resumed_seq: int = 0  # the seq its first TokenDelta carries (the dead engine's deltas came before)
@@ -291,6 +294,18 @@ class StreamNames:
 
 GROUP_TOKENIZER = "tokenizer"
 GROUP_ENGINE = "engine"
+
+
+def check_deadline(deadline: float) -> float:
+    """A request's deadline as every hop re-validates it: a finite unix time, 0 for none."""
+    if not math.isfinite(deadline) or deadline < 0:
+        raise ProtocolError("deadline must be a finite unix time (0: none)", "deadline")
+    return deadline
+
+
+def is_expired(deadline: float, now: float) -> bool:
+    """Whether a request with this deadline must no longer be computed at ``now`` (unix time)."""
+    return 0 < deadline <= now
 
 
 def detok_shard(request_id: str, num_shards: int) -> int:
