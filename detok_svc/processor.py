@@ -7,6 +7,11 @@ restarted shard replays what is pending and rebuilds the same outputs with the s
 (the gateway drops what it already has). A request that finished before the crash but shared
 an entry with one that had not is replayed partly; it never finishes and ``expire`` drops it.
 Deltas are idempotent on (request_id, index, seq).
+
+Failover: when a request's engine dies, the shard hands the request back to its gateway
+(``Resume``: the output tokens it took, and the seq to go on from) instead of failing it, and
+keeps its text state; the gateway resubmits it, and the new engine's Admission takes it up again.
+Until then the dead engine's late deltas are dropped (the new engine regenerates them).
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ from dataclasses import dataclass, field
 
 from detok_svc.incremental import TokenStrings, detokenizer_factory
 from detok_svc.stop import StopChecker
-from shared.protocol import (Abort, Admission, DetokParams, ErrorInfo, FinishReason, Message, RequestOutput,
+from shared.protocol import (Abort, Admission, DetokParams, ErrorInfo, FinishReason, Message, RequestOutput, Resume,
                              StreamNames, TextLogprobs, TokenDelta, TokenLogprobs, Usage)
 
 MAX_FINISHED_IDS = 100_000
+RESUME_TIMEOUT_S = 30.0  # a resumed request no engine admits by then is given up (503)
 
 
 class ChoiceText:
@@ -33,6 +39,7 @@ class ChoiceText:
         self.num_sent = 0  # characters of text already sent
         self.last_seq = -1
         self.num_tokens = 0
+        self.token_ids: list[int] = []  # every output token taken: what a resumed request re-prefills
         self.finish_reason: int | None = None
         self.stopped_here = False  # ended by a stop string: the engine may still be generating it
         self.held_ids: list[int] = []
@@ -53,6 +60,13 @@ class RequestText:
     last_seen: float = field(default_factory=time.monotonic)
     engine_id: str = ""  # the engine its deltas come from
     num_finished: int = 0  # choices with a finish_reason
+    resumed_at: float | None = None  # handed back to the gateway (its engine died), not yet re-admitted
+
+    @property
+    def is_resumable(self) -> bool:
+        """One choice goes on from its tokens; several only while none has any (a plain restart):
+        their sequences went different ways, which one engine request cannot carry."""
+        return self.num_choices == 1 or all(c.last_seq < 0 for c in self.choices.values())
 
     @property
     def is_finished(self) -> bool:
@@ -76,13 +90,18 @@ class DetokProcessor:
         self._touched[entry_id] = None
         request = self._request_for(msg)
         if request is None:
+            if isinstance(msg, Admission) and msg.request_id in self.finished:  # a resume raced its end
+                return [(self.names.engine_ctl, Abort(request_ids=(msg.request_id,), reason="finished"))]
             return []
         if not request.entry_ids or request.entry_ids[-1] != entry_id:
             request.entry_ids.append(entry_id)
             self.holders[entry_id] = self.holders.get(entry_id, 0) + 1
         request.last_seen = time.monotonic()
         if isinstance(msg, Admission):  # the request (and its engine) is known; no text yet
+            request.engine_id, request.resumed_at = msg.engine_id, None  # (again, after a resume)
             return []
+        if request.resumed_at is not None:
+            return []  # the dead engine's late delta: the new engine makes it again
         delta = msg
         out = self._apply(request, delta)
         if not request.is_finished:
@@ -116,14 +135,31 @@ class DetokProcessor:
         """Give up on requests that got no delta for ``max_idle_s``: each gateway gets a 503, and
         the entries are released."""
         now = time.monotonic()
-        return self._give_up([r for r, q in self.requests.items() if now - q.last_seen > max_idle_s],
-                             "the engine stopped answering for this request")
+        unresumed = [r for r, q in self.requests.items() if q.resumed_at is not None
+                     and now - q.resumed_at > RESUME_TIMEOUT_S]  # its client left, or no engine took it
+        return (self._give_up(unresumed, "the request could not be resumed on another engine")
+                + self._give_up([r for r, q in self.requests.items() if now - q.last_seen > max_idle_s],
+                                "the engine stopped answering for this request"))
 
     def fail_engines(self, dead: set[str]) -> list[tuple[str, Message]]:
-        """Give up on the requests of ``dead`` engines (their heartbeat went stale or was removed),
-        so that their clients get a 503 now rather than after the idle timeout."""
-        return self._give_up([r for r, q in self.requests.items() if q.engine_id in dead],
-                             "the engine serving this request stopped")
+        """The requests of ``dead`` engines (their heartbeat went stale or was removed): each
+        resumable one goes back to its gateway to be resubmitted (failover); the others (n > 1
+        with outputs under way) fail with a 503 now rather than after the idle timeout."""
+        orphans = [r for r, q in self.requests.items() if q.engine_id in dead]
+        out = self._give_up([r for r in orphans if not self.requests[r].is_resumable],
+                            "the engine serving this request stopped (a request with n > 1 cannot be resumed)")
+        now = time.monotonic()
+        for request_id in orphans:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            choice = request.choices.get(0)
+            dead_engine, request.engine_id, request.resumed_at = request.engine_id, "", now
+            resume = Resume(request_id=request_id, engine_id=dead_engine) if request.num_choices > 1 or choice is None \
+                else Resume(request_id=request_id, token_ids=tuple(choice.token_ids), next_seq=choice.last_seq + 1,
+                            engine_id=dead_engine)
+            out.append((request.reply_to, resume))
+        return out
 
     def _give_up(self, request_ids: list[str], message: str) -> list[tuple[str, Message]]:
         out: list[tuple[str, Message]] = []
@@ -182,6 +218,7 @@ class DetokProcessor:
 
     def _advance(self, request: RequestText, choice: ChoiceText, delta: TokenDelta) -> list[tuple[str, Message]]:
         choice.num_tokens += len(delta.new_token_ids)
+        choice.token_ids += delta.new_token_ids
         choice.held_ids += delta.new_token_ids
         if request.params.logprobs and delta.logprobs:
             choice.held_logprobs += [self._text_logprobs(lp) for lp in delta.logprobs]

@@ -35,7 +35,8 @@ def make_delta(request: Request) -> TokenDelta:
         cumulative_logprob=request.cumulative_logprob if wants_logprobs else None,
         finish_reason=int(request.finish_reason) if request.finish_reason else None,
         stop_reason=request.stop_reason, num_prompt_tokens=request.num_prompt_tokens,
-        num_cached_tokens=request.num_cached_tokens, num_choices=request.params.n)
+        # a resumed request's prefix-cache hit may reach into its re-prefilled outputs
+        num_cached_tokens=min(request.num_cached_tokens, request.num_prompt_tokens), num_choices=request.params.n)
     request.num_deltas_sent += 1
     request.pending_token_ids = []
     request.pending_logprobs = []

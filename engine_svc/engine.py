@@ -6,6 +6,8 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from engine_svc.block_manager import BlockManager
 from engine_svc.config import EngineConfig
 from engine_svc.iteration_stats import IterationStats
@@ -63,13 +65,25 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                    cache_salt: str | None = None, arrival_time: float | None = None) -> Admission:
+                    cache_salt: str | None = None, arrival_time: float | None = None,
+                    resumed_token_ids: Sequence[int] = (), resumed_seq: int = 0) -> Admission:
         """Validate again (a second front door must not bypass limits), then queue. The returned
-        Admission is the request's first message (the caller adds where it goes)."""
+        Admission is the request's first message (the caller adds where it goes).
+
+        A resumed request (failover: its engine died) brings the output tokens already delivered:
+        they are re-prefilled after the prompt as outputs (max_tokens, min_tokens, penalties and
+        usage count them), its deltas go on at ``resumed_seq``, and a seeded sequence's generator
+        is advanced past the draws that sampled them, so the continuation is the one the dead
+        engine would have produced."""
         self._validate(request_id, prompt_token_ids, params)
-        request = Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt,
-                          arrival_time=arrival_time if arrival_time is not None else self.scheduler.clock())
+        self._validate_resume(prompt_token_ids, params, resumed_token_ids, resumed_seq)
+        prompt = list(prompt_token_ids)
+        request = Request(request_id, prompt, params, cache_salt=cache_salt,
+                          arrival_time=arrival_time if arrival_time is not None else self.scheduler.clock(),
+                          token_ids=prompt + list(resumed_token_ids), num_deltas_sent=resumed_seq)
         self.scheduler.add(request)
+        if resumed_token_ids and request.generator is not None and not params.is_greedy:
+            skip_draws(request.generator, len(resumed_token_ids), self.vocab_size)
         return Admission(request_id=request_id, num_choices=params.n)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -138,6 +152,21 @@ class LLMEngine:
         if len(self.scheduler.waiting) >= self.config.max_num_queued_reqs:
             raise ProtocolError("the engine's queue is full; try again later", None, code=503)
 
+    def _validate_resume(self, prompt: Sequence[int], params: SamplingParams, resumed: Sequence[int],
+                         resumed_seq: int) -> None:
+        if not resumed and not resumed_seq:
+            return
+        if params.n != 1 or params.use_beam_search:
+            raise ProtocolError("only a request with n = 1 and no beam search resumes with its outputs",
+                                "resumed_token_ids")
+        if not 0 <= resumed_seq < 1 << 31:
+            raise ProtocolError("resumed_seq out of range", "resumed_seq")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in resumed):
+            raise ProtocolError(f"resumed token ids must be in [0, {self.vocab_size})", "resumed_token_ids")
+        if params.max_tokens is not None and len(resumed) >= params.max_tokens \
+                or len(prompt) + len(resumed) >= self.max_model_len:
+            raise ProtocolError("the resumed request already has all its tokens", "resumed_token_ids")
+
     # ------------------------------------------------------------------ convenience
     @property
     def tokenizer(self):
@@ -173,6 +202,14 @@ class LLMEngine:
                 for out in result.outputs:
                     out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         return [results[r] for r in order]
+
+
+def skip_draws(generator, num_draws: int, vocab_size: int) -> None:
+    """Advance a seeded sequence's generator as ``num_draws`` sampling steps did: the sampler draws
+    one float32 row of exponential noise over the vocabulary per sampled token (Sampler._sample)."""
+    noise = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
+    for _ in range(num_draws):
+        noise.exponential_(generator=generator)
 
 
 def _broadcast(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
