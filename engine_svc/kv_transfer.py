@@ -246,8 +246,9 @@ class ByteStoreConnector(KVConnector):
         try:
             value = self._take(_check_handle(handle))
             header, payload = decode_entry(value, self.layout, num_tokens)
-            if self._checks_expiry and header.get("expires_at", 0) < time.time():
-                raise KVTransferError("expired", f"KV entry {handle!r} outlived its {self.ttl_s:g} s lease")
+            late = time.time() - header.get("expires_at", 0)
+            if self._checks_expiry and late > 0:
+                raise KVTransferError("expired", f"KV entry {handle!r} is past its lease (by {late:.1f} s)")
         except KVTransferError as exc:
             self.stats.num_fallbacks += 1
             self.stats.fallback_reasons[exc.reason] = self.stats.fallback_reasons.get(exc.reason, 0) + 1
@@ -310,8 +311,8 @@ class RedisKVConnector(ByteStoreConnector):
         except redis.RedisError as exc:
             raise KVTransferError("unavailable", f"cannot read KV from Redis: {exc}") from exc
         if value is None:
-            raise KVTransferError("missing", f"no KV under {self.key(handle)} (never saved, past its "
-                                             f"{self.ttl_s:g} s lease, or already loaded)")
+            raise KVTransferError("missing", f"no KV under {self.key(handle)} (never saved, past its lease, "
+                                             "or already loaded)")
         return value
 
     def _drop(self, handle: str) -> None:
