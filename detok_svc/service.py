@@ -1,4 +1,13 @@
-"""One detok shard's loop: read ps:detok:in:{shard}, detokenize, reply to gateways, ack finished requests."""
+"""One detok shard's loop: read ps:detok:in:{shard}, detokenize, reply to gateways, ack finished requests.
+
+Redis faults: a turn's replies that Redis did not take are held (``Outbox``) and retried with
+backoff before anything new is read; the entries they came from are acked only once they are out.
+Who is gone is judged from the heartbeats, on evidence only (shared/heartbeat.py): an engine that
+stopped cleanly, or whose beat went stale (or missing from a hash that is not fresh from a flush)
+while this shard itself had Redis all along -- then its requests fail with a 503; a gateway that
+is gone -- then its requests are dropped, their entries acked and their engines told to abort,
+and nothing is written to its reply stream (which would re-create it).
+"""
 
 from __future__ import annotations
 
@@ -13,11 +22,11 @@ from detok_svc.processor import DetokProcessor
 from shared.config import DetokConfig
 from shared.protocol import Admission, TokenDelta
 from shared.group_reader import GroupReader
-from shared.heartbeat import HeartbeatWriter, read_heartbeats
+from shared.heartbeat import HeartbeatWriter, hash_age_s, is_stopped, parse_heartbeats
 from shared.lifecycle import run_until_signalled
 from shared.logs import StatusLine, configure_logging
 from shared.models import load_tokenizer
-from shared.streams import Producer, connect
+from shared.streams import Outbox, Producer, connect
 from shared.tracing import Tracing, make_tracing
 
 log = logging.getLogger(__name__)
@@ -41,7 +50,8 @@ class DetokService:
                                        f"shard-{config.shard}", claim_idle_ms=None, dlq=names.dlq,
                                        producer=self.to_gateway, accept=(TokenDelta, Admission))
         self.heartbeat = HeartbeatWriter(self.client, names.heartbeat, "detok", config.service_id,
-                                         config.heartbeat_s)
+                                         config.heartbeat_s, ttl_s=config.bus.heartbeat_ttl_s)
+        self.outbox = Outbox(self.to_gateway, self.from_engine)  # entries are acked once their replies are out
         self.processor = processor
         self.stopping = threading.Event()
         self.num_outputs = 0
@@ -54,6 +64,8 @@ class DetokService:
         self._next_expiry = 0.0
         self._next_engine_check = 0.0
         self._seen_engines: set[str] = set()
+        self._gone_streams: set[str] = set()  # reply streams of gateways that are gone: never written
+        self.num_dropped = 0  # requests dropped because their gateway is gone
 
     @classmethod
     def from_config(cls, config: DetokConfig) -> DetokService:
@@ -62,7 +74,6 @@ class DetokService:
         return cls(config, processor, tracing=make_tracing("detok", config.telemetry))
 
     def run(self) -> None:
-        self.from_engine.ensure_group()
         log.info("detok shard %d/%d reading %s", self.config.shard, self.config.num_detok_shards,
                  self.from_engine.stream)
         try:
@@ -75,6 +86,8 @@ class DetokService:
             self.spans.clear()
 
     def run_once(self, block_ms: int | None) -> int:
+        if not self.outbox.flush():  # Redis away: hold the last turn's replies, read nothing new
+            return 0
         envelopes = self.from_engine.read(count=self.config.entries_per_read, block_ms=block_ms)
         outgoing = []
         for env in envelopes:
@@ -90,32 +103,70 @@ class DetokService:
             outgoing += self.processor.expire(self.config.request_idle_timeout_s)
         if self.processor.requests and time.monotonic() >= self._next_engine_check:
             self._next_engine_check = time.monotonic() + self.config.engine_check_s
-            outgoing += self.processor.fail_engines(self._dead_engines())
-        self.to_gateway.send_many(outgoing)
+            outgoing += self._check_peers()
+        if self._gone_streams:
+            outgoing = [(stream, msg) for stream, msg in outgoing if stream not in self._gone_streams]
+        # only entries no unfinished request holds are acked: the rest replay after a crash
+        self.outbox.put(outgoing, acks=self.processor.take_ackable())
+        self.outbox.flush()
         self.num_outputs += len(outgoing)
         self.num_messages += len(envelopes)
         if self.spans:
             self._close_spans()
-        # only entries no unfinished request holds: the rest replay after a crash
-        self.from_engine.ack(self.processor.take_ackable())
         self.heartbeat.beat(self.stats())
         self.status.tick(busy=bool(self.processor.requests))
         return len(envelopes)
 
-    def _dead_engines(self) -> set[str]:
-        """Engines seen alive before whose heartbeat is now stale or gone. (Only engines once seen:
-        an id this shard never saw beat is no evidence of anything.)"""
+    def _check_peers(self) -> list:
+        """What to send about the requests of dead engines (503s) and of gone gateways (aborts)."""
         try:
-            alive = set(read_heartbeats(self.client, self.config.bus.names.heartbeat,
-                                        max_age_s=self.config.engine_max_age_s, service="engine"))
-        except (redis.ConnectionError, redis.TimeoutError):
-            return set()  # cannot tell: fail nobody
+            raw = self.client.hgetall(self.config.bus.names.heartbeat)
+        except redis.RedisError:
+            self.heartbeat.failed()
+            return []  # cannot tell: fail nobody
+        out = self.processor.fail_engines(self._dead_engines(raw))
+        self._gone_streams = self._gone_gateways(raw)
+        for request_id, request in list(self.processor.requests.items()):
+            if request.reply_to in self._gone_streams:  # an Abort to its engine; its reply is filtered out
+                out += self.processor.fail(request.entry_ids[-1], request_id, RuntimeError("gateway gone"))
+                self.num_dropped += 1
+        return out
+
+    def _dead_engines(self, raw) -> set[str]:
+        """Engines seen alive before that are gone on evidence: stopped cleanly, or stale (missing
+        from a hash older than the max age) while this shard had Redis for the max age itself.
+        (Only engines once seen: an id this shard never saw beat is no evidence of anything.)"""
+        max_age = self.config.engine_max_age_s
+        beats = parse_heartbeats(raw, service="engine", stopped=True)
+        alive = {k for k, b in beats.items() if time.time() - b.time <= max_age and not is_stopped(b)}
         self._seen_engines |= alive
-        return self._seen_engines - alive
+        trusted = self.heartbeat.healthy_for() >= max_age and hash_age_s(raw) >= max_age
+        return {k for k in self._seen_engines - alive
+                if (k in beats and is_stopped(beats[k])) or trusted}
+
+    def _gone_gateways(self, raw) -> set[str]:
+        """Reply streams of this shard's requests whose gateway is gone: it left (its beat
+        stopped, or missing from a hash that is not fresh from a flush), or its beat is older
+        than the heartbeat TTL while this shard had Redis that long."""
+        ttl = self.config.bus.heartbeat_ttl_s
+        prefix = self.config.bus.names.gateway_out("")[:-len(":out")]
+        beats = parse_heartbeats(raw, service="gateway", stopped=True)
+        settled = hash_age_s(raw) >= 3 * self.config.heartbeat_s + 2.0  # every live gateway has beaten since
+        gone = set()
+        for stream in {r.reply_to for r in self.processor.requests.values()}:
+            beat = beats.get("gateway-" + stream.removeprefix(prefix).removesuffix(":out"))
+            if beat is None:
+                left = settled
+            else:
+                left = is_stopped(beat) or (time.time() - beat.time > ttl and self.heartbeat.healthy_for() >= ttl)
+            if left:
+                gone.add(stream)
+        return gone
 
     def stats(self) -> dict[str, float]:
         return {"num_requests": len(self.processor.requests), "num_outputs": self.num_outputs,
                 "num_messages": self.num_messages, "num_reclaimed": self.from_engine.num_reclaimed,
+                "num_dropped": self.num_dropped,
                 "shard": self.config.shard}
 
     def _describe(self, rates) -> str:

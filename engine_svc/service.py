@@ -1,8 +1,16 @@
 """The engine service: LLMEngine in a Redis loop (admit, abort, step, publish, account, heartbeat).
 
 The only engine module that touches Redis. Entries of ``ps:engine:in`` are acked once their
-request is admitted (or refused with an error to its gateway), so a crash before that
-re-delivers them; admission is idempotent on request_id. After each turn of the loop the
+request is admitted (or refused with an error to its gateway) and the admission is out, so a
+crash before that re-delivers them; admission is idempotent on request_id.
+
+Redis faults (README: what survives what): every write goes through an ``Outbox``; when Redis
+stalls or is gone, the turn's output is held and retried with backoff, and the engine reads and
+computes nothing new meanwhile (no work for nobody, no busy loop). When Redis is back after more
+than ``max_outage_s``, or comes back empty (the heartbeat hash's epoch changed: FLUSHALL or a
+restart lost the entries in flight, so some deltas may never arrive), every request the engine
+holds ends with one 503 error -- sent to its detok shard and straight to its gateway -- instead of
+running on with a hole in its text. After each turn of the loop the
 scheduler's account (``take_stats()``) feeds this engine's Prometheus figures (served on
 ``--metrics-port``), its status line and, with tracing on, the spans of finished sequences.
 """
@@ -25,7 +33,7 @@ from shared.protocol import (GROUP_ENGINE, Abort, EngineRequest, ErrorInfo, Fini
 from shared.heartbeat import HeartbeatWriter
 from shared.lifecycle import run_until_signalled
 from shared.group_reader import GroupReader
-from shared.streams import Producer, StreamReader, connect
+from shared.streams import Outbox, Producer, StreamReader, connect
 from shared.tracing import Tracing, make_tracing
 
 log = logging.getLogger(__name__)
@@ -68,7 +76,10 @@ class EngineService:
         lookback_ms = int((time.time() - config.ctl_lookback_s) * 1000)
         self.from_ctl = StreamReader(self.client, names.engine_ctl, start=f"{max(lookback_ms, 0)}-0")
         self.heartbeat = HeartbeatWriter(self.client, names.heartbeat, "engine", config.service_id,
-                                         config.heartbeat_s)
+                                         config.heartbeat_s, ttl_s=config.bus.heartbeat_ttl_s)
+        self.outbox = Outbox(self.to_detok, self.from_tokenizer)  # admissions are acked once they are out
+        self.reply_to: dict[str, str] = {}  # request id -> its gateway's stream, while the engine holds it
+        self._num_losses = 0  # bus losses (HeartbeatWriter.num_losses) already answered
         self.finished = RecentIds()
         self.aborted = RecentIds()  # aborts that arrived before their request
         self.stopping = threading.Event()
@@ -84,7 +95,6 @@ class EngineService:
 
     # ----------------------------------------------------------------- the loop
     def run(self) -> None:
-        self.from_tokenizer.ensure_group()
         log.info("engine %s reading %s", self.config.service_id, self.from_tokenizer.stream)
         try:
             while not self.stopping.is_set():
@@ -96,19 +106,48 @@ class EngineService:
             self.spans.clear()
 
     def run_once(self) -> None:
+        if not self.outbox.flush():  # Redis away: hold the last turn's output, compute nothing new
+            return
+        if self.outbox.last_outage_s > self.config.max_outage_s:
+            self._fail_held(f"the request bus was unreachable for {self.outbox.last_outage_s:.0f}s")
+        self.outbox.last_outage_s = 0.0
         idle = not self.engine.has_work()
         envelopes = self.from_tokenizer.read(count=self.config.batch_size,
                                              block_ms=self.config.idle_block_ms if idle else None)  # never 0
         if envelopes:
-            self.to_detok.send_many([item for env in envelopes for item in self.admit(env.msg)])
-            self.from_tokenizer.ack(envelopes)  # admitted (or refused): safe to forget, before a long step
+            # admitted (or refused): acked once that is out, before a long step
+            self.outbox.put([item for env in envelopes for item in self.admit(env.msg)], acks=envelopes)
+            self.reply_to.update((env.msg.request_id, env.msg.reply_to) for env in envelopes
+                                 if self.engine.has_request(env.msg.request_id))
+            if not self.outbox.flush():
+                return
         self.apply_aborts(self.from_ctl.read(count=1024))
         if self.engine.has_work():
-            self.to_detok.send_many(self.step())
+            self.outbox.put(self.step())
+            self.outbox.flush()  # if Redis is away, the next turn holds off until it is back
         self.account()
         self.heartbeat.beat({**self._engine_stats, "metrics_port": self.config.metrics_port,
                              "num_messages": self.num_admitted, "num_reclaimed": self.from_tokenizer.num_reclaimed})
+        if self.heartbeat.num_losses != self._num_losses:
+            self._num_losses = self.heartbeat.num_losses
+            self._fail_held("the request bus lost its state (Redis was flushed or restarted empty)")
         self.status.tick(busy=self.engine.has_work())
+
+    def _fail_held(self, why: str) -> None:
+        """End every request this engine holds with one 503: a final error delta to its detok
+        shard (which drops its state) and the same error straight to its gateway, in case the
+        shard never learnt of it (its admission lost with the bus's data). A duplicate final
+        output is dropped by the gateway."""
+        error = ErrorInfo(message=f"{why}; the request was given up, retry it", type="ServiceUnavailableError",
+                          code=503)
+        deltas = self.engine.fail_all(error)
+        direct = {d.request_id: (self.reply_to[d.request_id], RequestOutput(
+            request_id=d.request_id, finish_reason=FinishReason.ERROR, error=error))
+            for d in deltas if d.request_id in self.reply_to}  # one per request (n > 1: a delta per choice)
+        if deltas:
+            log.warning("%s: failing %d requests", why, len({d.request_id for d in deltas}))
+        self.outbox.put([self._publish(d) for d in deltas] + list(direct.values()))
+        self.outbox.flush()
 
     # ----------------------------------------------------------------- handlers
     def admit(self, req: EngineRequest) -> list[tuple[str, Message]]:
@@ -166,6 +205,7 @@ class EngineService:
     def _publish(self, delta: TokenDelta) -> tuple[str, Message]:
         if delta.finish_reason is not None and not self.engine.has_request(delta.request_id):
             self.finished.add(delta.request_id)
+            self.reply_to.pop(delta.request_id, None)
         return self._detok_stream(delta.request_id), delta
 
     # ----------------------------------------------------------------- metrics, status, traces

@@ -31,6 +31,7 @@ class BusConfig:
     redis_url: str = DEFAULT_REDIS_URL
     prefix: str = "ps"
     maxlen: int = 100_000
+    heartbeat_ttl_s: float = 60.0  # live services delete beats older than this from the heartbeat hash
 
     @property
     def names(self) -> StreamNames:
@@ -167,6 +168,9 @@ class EngineServiceConfig:
     claim_idle_ms: int = 30_000
     heartbeat_s: float = 1.0
     deltas_per_entry: int = 16  # a step's deltas for one shard leave in entries of this many (entries.py)
+    # Redis unreachable for longer than this: when it is back, the requests held meanwhile are
+    # failed (503) instead of computed for clients whose gateways have most likely given up
+    max_outage_s: float = 60.0
     # a starting engine applies the aborts of this many seconds back: it may claim (after
     # claim_idle_ms) requests a dead engine never admitted, whose clients left meanwhile
     ctl_lookback_s: float = 120.0

@@ -82,6 +82,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(name="--prefix", field="prefix", parse=str, used_by=ALL | {"status"}, env="PREFIX",
          help="namespace of every Redis key"),
     Flag(name="--stream-maxlen", field="maxlen", parse=int, used_by=ALL, env="STREAM_MAXLEN"),
+    Flag(name="--heartbeat-ttl", field="heartbeat_ttl_s", parse=float, used_by=ALL, env="HEARTBEAT_TTL",
+         help="seconds after which a service's heartbeat is deleted by the live ones (the service is gone)"),
     Flag(name="--model", field="model", parse=str, used_by=ALL, env="MODEL",
          help="HF model folder (default: SmolLM2-135M-Instruct, converted once)"),
     Flag(name="--tokenizer", field="tokenizer", parse=str, used_by=ALL, help="tokenizer folder (default: the model's)"),
@@ -154,6 +156,9 @@ FLAGS: tuple[Flag, ...] = (
     _engine("--enable-prefix-caching", None, ""),
     _engine("--enable-chunked-prefill", None, ""),
     _engine("--enforce-eager", None, "no torch.compile of the forward"),
+    Flag(name="--max-outage", field="max_outage_s", parse=float, used_by=ENGINE,
+         help="Redis unreachable for longer than this many seconds: the requests the engine held meanwhile are "
+              "failed (503) when it is back, not computed"),
     # serve: the stack's shape
     Flag(name="--gateways", field="num_gateways", parse=int, used_by=frozenset({"serve"}),
          help="gateway processes sharing the port (SO_REUSEPORT), each with its own reply stream"),

@@ -1,7 +1,13 @@
 """A consumer of a consumer group: the reader of every stream whose entries must be acked.
 
 The tokenizers and the engines share their groups (competing consumers); each detok shard is
-a group of one, so that a restarted shard resumes its own pending entries.
+a group of one, so that a restarted shard resumes its own pending entries. One group reads each
+of these streams, so an acked entry is worthless: it is deleted with its XACK (one MULTI), and
+prompts do not linger in Redis up to MAXLEN.
+
+No Redis error escapes ``read`` or ``ack``: a read backs off and returns nothing; an ack that
+could not be written is kept and retried before the next read (the entry stays pending meanwhile,
+which is safe: handlers are idempotent).
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ class GroupReader:
     def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str, *,
                  claim_idle_ms: int | None = 30_000, dlq: str | None = None,
                  producer: Producer | None = None, max_block_ms: int = 60_000,
-                 accept: tuple[type[Message], ...] | None = None):
+                 accept: tuple[type[Message], ...] | None = None, delete_acked: bool = True):
         self.client = client
+        self.delete_acked = delete_acked  # XDEL with each XACK: this group is the stream's only reader
         self.stream, self.group, self.consumer = stream, group, consumer
         self.accept = accept  # other message types are refused like garbage
         self.claim_idle_ms = claim_idle_ms
@@ -46,6 +53,7 @@ class GroupReader:
         self._backoff = 0.0
         self._group_ready = False
         self.num_reclaimed = 0  # entries claimed from dead consumers (a heartbeat figure)
+        self._unacked: list[str] = []  # acks that failed (Redis away): retried before the next read
 
     # ----------------------------------------------------------------- group life
     def ensure_group(self) -> None:
@@ -57,7 +65,8 @@ class GroupReader:
         self._group_ready = True
 
     def _recover(self, exc: Exception) -> None:
-        """NOGROUP or a lost connection: back off (no busy spin), then re-create the group."""
+        """NOGROUP, a lost connection or any other Redis error: back off (no busy spin, at most
+        2 s), then re-create the group."""
         self._backoff = min(2.0, max(0.05, self._backoff * 2))
         log.warning("%s/%s: %s; retrying in %.2fs", self.stream, self.group, exc, self._backoff)
         time.sleep(self._backoff)
@@ -65,7 +74,7 @@ class GroupReader:
         self._draining, self._pending_cursor, self._claim_cursor = True, "0", "0-0"
         try:
             self.ensure_group()
-        except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as again:
+        except redis.RedisError as again:
             log.warning("%s/%s: cannot re-create group yet: %s", self.stream, self.group, again)
 
     # ----------------------------------------------------------------- reading
@@ -75,6 +84,9 @@ class GroupReader:
         try:
             if not self._group_ready:
                 self.ensure_group()
+            if self._unacked:
+                self._ack_now(self._unacked)
+                self._unacked = []
             if self._draining:
                 got = self._read_pending(count)
                 if got is not None:
@@ -87,10 +99,10 @@ class GroupReader:
             self._backoff = 0.0
             return self._accept(resp[0][1] if resp else [])
         except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
+            if "NOGROUP" in str(exc):
+                self._unacked = []  # the group and its pending list are gone with the data
             self._recover(exc)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except redis.RedisError as exc:
             self._recover(exc)
         return []
 
@@ -151,7 +163,7 @@ class GroupReader:
             else:
                 refused.append(entry_id)
         if refused:
-            self.client.xack(self.stream, self.group, *refused)
+            self._ack_now(refused)
         return out
 
     def _accept_one(self, entry_id: str, wire: bytes) -> Envelope | None:
@@ -169,11 +181,31 @@ class GroupReader:
         if not ids:
             return 0
         try:
-            return int(self.client.xack(self.stream, self.group, *ids))
+            return self._ack_now(ids)
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
-                raise
-            return 0  # the group (and its pending list) is gone: nothing left to ack
+                log.warning("%s/%s: ack failed: %s", self.stream, self.group, exc)
+                self._unacked += ids
+            return 0  # NOGROUP: the group (and its pending list) is gone: nothing left to ack
+        except redis.RedisError as exc:
+            log.warning("%s/%s: ack of %d entries deferred: %s", self.stream, self.group, len(ids), exc)
+            self._unacked += ids
+            return 0
+
+    def _ack_now(self, ids: list[str]) -> int:
+        """XACK (and XDEL: nobody else reads them) in one MULTI; raises what Redis raises."""
+        if not self.delete_acked:
+            return int(self.client.xack(self.stream, self.group, *ids))
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xack(self.stream, self.group, *ids)
+        pipe.xdel(self.stream, *ids)
+        return int(pipe.execute()[0])
+
+    @property
+    def num_unacked(self) -> int:
+        """Acks waiting for Redis to come back."""
+        return len(self._unacked)
+
 
     # ----------------------------------------------------------------- inspection
     def num_pending(self) -> int:

@@ -7,6 +7,8 @@ out one Envelope per message, carrying its entry's id. Writers trim with ``MAXLE
 ``reply_to`` with an error when it can and copies it to the dead-letter stream; an entry with
 nothing valid left is acked at once.
 Blocking reads run on a connection of their own whose socket timeout outlasts the block.
+No reader lets a Redis error escape (it backs off and reads nothing); a service's writes go
+through an ``Outbox``, which keeps what Redis did not take and retries it with backoff.
 """
 
 from __future__ import annotations
@@ -113,6 +115,70 @@ class Producer:
         return decode_id(self.client.xadd(stream, fields, maxlen=self.maxlen, approximate=True))
 
 
+class Outbox:
+    """A service's outgoing messages, and the entries to ack once they are out, until Redis has
+    taken them.
+
+    ``flush()`` sends what is kept (pipelined, in order), then acks; when Redis fails it keeps
+    everything, sleeps a backoff (50 ms doubling to ``max_backoff_s``: never a busy loop) and
+    answers False. A service reads and computes nothing new while its outbox holds anything, so
+    an outage costs one turn's output in memory, and nothing is acked before it is sent (a crash
+    meanwhile re-delivers). A resend after a partial failure may repeat entries: every reader is
+    idempotent (request_id, seq). ``down_for()``: how long the current outage has lasted."""
+
+    def __init__(self, producer: Producer, reader=None, *, max_backoff_s: float = 2.0):
+        self.producer = producer
+        self.reader = reader  # a GroupReader (its ack never raises), or None
+        self.max_backoff_s = max_backoff_s
+        self.items: list[tuple[str, Message]] = []
+        self.acks: list = []
+        self.num_failures = 0
+        self.last_outage_s = 0.0  # how long the last outage that held messages lasted (its caller may reset it)
+        self._backoff = 0.0
+        self._down_since: float | None = None
+        self._next_log = 0.0
+
+    def put(self, items: Iterable[tuple[str, Message]], acks: Iterable = ()) -> None:
+        self.items += items
+        self.acks += acks
+
+    def __bool__(self) -> bool:
+        return bool(self.items or self.acks)
+
+    def down_for(self) -> float:
+        return 0.0 if self._down_since is None else time.monotonic() - self._down_since
+
+    def flush(self) -> bool:
+        """True when everything is out (or nothing was kept)."""
+        if self.items:
+            try:
+                self.producer.send_many(self.items)
+            except redis.RedisError as exc:
+                self._failed(exc)
+                return False
+            self.items = []
+        if self.acks and self.reader is not None:
+            self.reader.ack(self.acks)
+        self.acks = []
+        if self._down_since is not None:
+            self.last_outage_s = self.down_for()
+            log.info("Redis took the held messages after %.1fs", self.last_outage_s)
+        self._backoff, self._down_since = 0.0, None
+        return True
+
+    def _failed(self, exc: Exception) -> None:
+        self.num_failures += 1
+        now = time.monotonic()
+        if self._down_since is None:
+            self._down_since = now
+        if now >= self._next_log:
+            self._next_log = now + 10.0
+            log.warning("cannot write to Redis (%s: %s); holding %d messages, retrying with backoff",
+                        type(exc).__name__, exc, len(self.items))
+        self._backoff = min(self.max_backoff_s, max(0.05, self._backoff * 2))
+        time.sleep(self._backoff)
+
+
 class AsyncProducer:
     """Producer over redis.asyncio, for the gateway."""
 
@@ -174,12 +240,17 @@ class StreamReader:
             return _start_id(self.client.xinfo_stream(self.stream)["last-generated-id"])
         except redis.ResponseError:  # no such stream yet
             return "0-0"
+        except redis.RedisError as exc:  # Redis away: resolved at the first read that reaches it
+            log.warning("%s: %s", self.stream, exc)
+            return "$"
 
     def read(self, count: int = 256, block_ms: int | None = None) -> list[Envelope]:
         check_block(block_ms)
         try:
+            if self.last_id == "$":
+                self.last_id = self._resolve("$")
             resp = self.blocking.xread({self.stream: self.last_id}, count=count, block=block_ms)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except redis.RedisError as exc:  # stalled, restarting, flushed: never worth dying for
             log.warning("%s: %s", self.stream, exc)
             time.sleep(0.2)
             return []

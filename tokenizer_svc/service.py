@@ -1,4 +1,7 @@
-"""The tokenizer replica's loop: read a batch from ps:tokenizer:in, encode it, publish, ack."""
+"""The tokenizer replica's loop: read a batch from ps:tokenizer:in, encode it, publish, ack.
+
+Redis faults: the reader backs off on its own; a batch whose output Redis did not take is held
+(``Outbox``) and retried with backoff before anything new is read, and acked only once it is out."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from shared.heartbeat import HeartbeatWriter
 from shared.lifecycle import run_until_signalled
 from shared.logs import StatusLine, configure_logging
 from shared.models import load_tokenizer, model_max_len, resolve_model
-from shared.streams import Producer, connect
+from shared.streams import Outbox, Producer, connect
 from shared.tracing import make_tracing
 from tokenizer_svc.prompts import PromptEncoder
 
@@ -31,7 +34,8 @@ class TokenizerService:
                                         claim_idle_ms=config.claim_idle_ms, dlq=names.dlq,
                                         producer=self.to_engine, accept=(GenerateRequest,))
         self.heartbeat = HeartbeatWriter(self.client, names.heartbeat, "tokenizer", config.service_id,
-                                         config.heartbeat_s)
+                                         config.heartbeat_s, ttl_s=config.bus.heartbeat_ttl_s)
+        self.outbox = Outbox(self.to_engine, self.from_gateway)
         self.encoder = encoder
         self.stopping = threading.Event()
         self.num_requests = 0
@@ -47,7 +51,6 @@ class TokenizerService:
         return cls(config, PromptEncoder(tokenizer, max_len, config.bus.names, tracing))
 
     def run(self) -> None:
-        self.from_gateway.ensure_group()
         log.info("tokenizer %s reading %s", self.config.service_id, self.from_gateway.stream)
         try:
             while not self.stopping.is_set():
@@ -56,10 +59,13 @@ class TokenizerService:
             self.heartbeat.remove()
 
     def run_once(self, block_ms: int | None) -> int:
+        if not self.outbox.flush():  # Redis away: the last batch is held, nothing new is read
+            return 0
         envelopes = self.from_gateway.read(count=self.config.batch_size, block_ms=block_ms)
         if envelopes:
-            self.to_engine.send_many(self._encode([e.msg for e in envelopes]))
-            self.from_gateway.ack(envelopes)  # after publishing: a crash before this re-delivers
+            # acked after publishing: a crash before this re-delivers
+            self.outbox.put(self._encode([e.msg for e in envelopes]), acks=envelopes)
+            self.outbox.flush()
             self.num_requests += len(envelopes)
         self.heartbeat.beat({"num_requests": self.num_requests, "num_messages": self.num_requests,
                              "num_reclaimed": self.from_gateway.num_reclaimed})

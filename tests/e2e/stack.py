@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import redis
 
+from shared.heartbeat import parse_heartbeats
 from shared.protocol import GROUP_ENGINE, GROUP_TOKENIZER, Heartbeat, StreamNames
 from shared.redis_server import free_port
 
@@ -169,9 +170,10 @@ class Stack:
         return redis.Redis.from_url(self.redis_url)
 
     def heartbeats(self) -> dict[str, Heartbeat]:
+        """Every service's last beat (the hash's ``_epoch`` field is not a service)."""
         with self.redis() as client:
             raw = client.hgetall(self.names.heartbeat)
-        return {k.decode(): Heartbeat.from_wire(v) for k, v in raw.items()}
+        return parse_heartbeats(raw)
 
     def engine_stats(self) -> dict[str, float]:
         return self.heartbeats()["engine-0"].stats
