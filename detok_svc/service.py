@@ -42,13 +42,15 @@ class DetokService:
     def __init__(self, config: DetokConfig, processor: DetokProcessor, client=None, *,
                  tracing: Tracing | None = None):
         self.config = config
-        self.client = client or connect(config.bus.redis_url)
+        self.client = client or connect(config.bus.redis_url, **config.bus.redis_auth)
         names = config.bus.names
         # one entry per gateway and engine entry: each reply stream (and engine ctl) has no competing readers
-        self.to_gateway = Producer(self.client, config.bus.maxlen, batch=True)  # and Aborts to the engines
+        # and Aborts to the engines
+        self.to_gateway = Producer(self.client, config.bus.maxlen, batch=True, signer=config.bus.signer)
         self.from_engine = GroupReader(self.client, names.detok_in(config.shard), GROUP_DETOK,
                                        f"shard-{config.shard}", claim_idle_ms=None, dlq=names.dlq,
-                                       producer=self.to_gateway, accept=(TokenDelta, Admission))
+                                       producer=self.to_gateway, accept=(TokenDelta, Admission),
+                                       signer=config.bus.signer)
         self.heartbeat = HeartbeatWriter(self.client, names.heartbeat, "detok", config.service_id,
                                          config.heartbeat_s, ttl_s=config.bus.heartbeat_ttl_s)
         self.outbox = Outbox(self.to_gateway, self.from_engine)  # entries are acked once their replies are out

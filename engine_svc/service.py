@@ -65,16 +65,17 @@ class EngineService:
                  metrics: EngineMetrics | None = None):
         self.config = config
         self.engine = engine
-        self.client = client or connect(config.bus.redis_url)
+        self.client = client or connect(config.bus.redis_url, **config.bus.redis_auth)
         self.names = names = config.bus.names
         # a step's deltas for a shard share entries: a shard has one reader (and gateways read their own)
         self.to_detok = Producer(self.client, config.bus.maxlen, batch=True,  # and errors to gateways
-                                 per_entry=config.deltas_per_entry)
+                                 per_entry=config.deltas_per_entry, signer=config.bus.signer)
         self.from_tokenizer = GroupReader(self.client, names.engine_in, GROUP_ENGINE, config.service_id,
                                           claim_idle_ms=config.claim_idle_ms, dlq=names.dlq,
-                                          producer=self.to_detok, accept=(EngineRequest,))
+                                          producer=self.to_detok, accept=(EngineRequest,), signer=config.bus.signer)
         lookback_ms = int((time.time() - config.ctl_lookback_s) * 1000)
-        self.from_ctl = StreamReader(self.client, names.engine_ctl, start=f"{max(lookback_ms, 0)}-0")
+        self.from_ctl = StreamReader(self.client, names.engine_ctl, start=f"{max(lookback_ms, 0)}-0",
+                                     signer=config.bus.signer)
         self.heartbeat = HeartbeatWriter(self.client, names.heartbeat, "engine", config.service_id,
                                          config.heartbeat_s, ttl_s=config.bus.heartbeat_ttl_s)
         self.outbox = Outbox(self.to_detok, self.from_tokenizer)  # admissions are acked once they are out

@@ -58,9 +58,11 @@ class GatewayContext:
     async def open(self) -> None:
         if self.tracing is None:
             self.tracing = make_tracing("gateway", self.config.telemetry)
-        self.client = aioredis.Redis.from_url(self.config.bus.redis_url, socket_connect_timeout=5)
-        self.producer = AsyncProducer(self.client, maxlen=self.config.bus.maxlen)
-        self.collector = Collector(AsyncStreamReader(self.client, self.reply_to, start="0-0"), trim=self._trim)
+        self.client = aioredis.Redis.from_url(self.config.bus.redis_url, socket_connect_timeout=5,
+                                             **self.config.bus.redis_auth)
+        self.producer = AsyncProducer(self.client, maxlen=self.config.bus.maxlen, signer=self.config.bus.signer)
+        reader = AsyncStreamReader(self.client, self.reply_to, start="0-0", signer=self.config.bus.signer)
+        self.collector = Collector(reader, trim=self._trim)
         self.collector.start()
         if self.config.model is not None:  # warm it up now; the default model is resolved lazily
             self._tokenizer = asyncio.ensure_future(self._load_tokenizer())

@@ -21,11 +21,12 @@ import time
 from dataclasses import dataclass
 
 from shared import flags
+from shared.bus_auth import generate_secret, secure_serve, url_with_credentials
 from shared.config import ServeConfig
 from shared.lifecycle import wait_http
 from shared.models import resolve_model
 from shared.placement import bus_cpus, pin
-from shared.redis_server import RedisServer, die_with_parent
+from shared.redis_server import RedisAcl, RedisServer, die_with_parent
 
 MODULES = {"gateway": "gateway", "tokenizer": "tokenizer_svc", "engine": "engine_svc", "detok": "detok_svc"}
 STOP_ORDER = ("gateway", "tokenizer", "engine", "detok")  # stop intake first, output last
@@ -146,8 +147,12 @@ def serve(argv: list[str]) -> int:
     redis_server = None
     if config.redis_url is None:
         cpus = bus_cpus(config.bus_cpus, config.num_gateways, config.num_detokenizers)
-        redis_server = RedisServer(cpus=cpus.get("redis")).start()
-    redis_url = config.redis_url or redis_server.url
+        acl = RedisAcl.generate(config.gateway.bus.prefix, config.gateway.bus.redis_password or generate_secret())
+        redis_server = RedisServer(cpus=cpus.get("redis"), acl=acl).start()
+    # the bus secret and each role's Redis user (README: Security); the URL on the children's
+    # command lines carries no credentials
+    config, redis_url = secure_serve(config, config.redis_url or redis_server.address,
+                                     redis_server.acl if redis_server else None)
     # secrets through the environment, not visible in `ps`
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **flags.to_env("gateway", config.gateway)}
     supervisor = Supervisor(build_children(config, redis_url, model))

@@ -15,6 +15,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from shared.bus_auth import BusSigner
 from shared.protocol import StreamNames
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -26,16 +27,31 @@ def default_service_id(service: str) -> str:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BusConfig:
-    """Where the bus is: the Redis URL, the key namespace and how long streams may grow."""
+    """Where the bus is: the Redis URL, the key namespace and how long streams may grow; who we
+    are to Redis (an ACL user and its password) and the key that signs every entry."""
 
     redis_url: str = DEFAULT_REDIS_URL
     prefix: str = "ps"
+    redis_username: str | None = None  # None: the URL's (or Redis's default user)
+    redis_password: str | None = field(default=None, repr=False)  # None: the URL's
+    bus_secret: str | None = field(default=None, repr=False)  # HMAC key of every entry; None: unsigned
     maxlen: int = 100_000
     heartbeat_ttl_s: float = 60.0  # live services delete beats older than this from the heartbeat hash
 
     @property
     def names(self) -> StreamNames:
         return StreamNames(self.prefix)
+
+    @property
+    def redis_auth(self) -> dict[str, str]:
+        """redis-py's username/password keywords for what is set (credentials in the URL win)."""
+        auth = {"username": self.redis_username, "password": self.redis_password}
+        return {k: v for k, v in auth.items() if v is not None}
+
+    @property
+    def signer(self) -> BusSigner | None:
+        """What signs and checks this bus's entries (shared/bus_auth.py); None without a secret."""
+        return BusSigner.of(self.bus_secret)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

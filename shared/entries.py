@@ -10,6 +10,14 @@ so that replicas share the work request by request. A producer may cap the messa
 lower (``per_entry``): the engine writes a step's deltas in entries of 16, which the detokenizer
 reads one at a time and publishes as it goes, so the step's first texts leave before its last
 deltas are decoded.
+
+Signed entries (``--bus-secret``, shared/bus_auth.py) carry one more field, ``s``: 32 raw bytes,
+HMAC-SHA-256(key, mac_input(stream, fields)). ``mac_input`` is, every part prefixed by its
+length as 4 bytes big-endian: the context ``pagedserve-bus-v1``, the stream's key, then each
+other field's name and value in ascending byte order of the names. The stream's key is inside the
+MAC, so a valid entry copied to another stream (another gateway's reply stream) is refused; every
+byte of every message is, so a changed, dropped or reordered message is refused. A reader with
+no key ignores ``s``.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ from shared.protocol import Message, ProtocolError
 
 FIELD = b"m"
 MAX_PER_ENTRY = 256
+MAC_FIELD = b"s"
+MAC_CONTEXT = b"pagedserve-bus-v1"
 
 
 def field_name(i: int) -> bytes:
@@ -49,9 +59,35 @@ def payloads(fields: dict | None) -> list[bytes]:
     """An entry's message bytes in order; ProtocolError when its fields are not m, m1, m2, ..."""
     if not fields or FIELD not in fields:
         raise ProtocolError("entry has no 'm' field")
-    if len(fields) > MAX_PER_ENTRY:
-        raise ProtocolError(f"entry holds {len(fields)} fields, more than {MAX_PER_ENTRY}")
+    num_messages = len(fields) - (MAC_FIELD in fields)
+    if num_messages > MAX_PER_ENTRY:
+        raise ProtocolError(f"entry holds {num_messages} fields, more than {MAX_PER_ENTRY}")
     try:
-        return [fields[field_name(i)] for i in range(len(fields))]
+        return [fields[field_name(i)] for i in range(num_messages)]
     except KeyError:
         raise ProtocolError("entry fields are not m, m1, m2, ...") from None
+
+
+def as_bytes(value: object) -> bytes:
+    """A field name or value as Redis stores it (redis-py encodes str as UTF-8 and numbers as text)."""
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return repr(value).encode()
+    raise TypeError(f"cannot put a {type(value).__name__} in a stream entry")
+
+
+def mac_input(stream: str, fields: dict) -> bytes:
+    """The bytes an entry's MAC covers (the module docstring): every field but ``s``, and the stream."""
+    items = sorted((as_bytes(k), as_bytes(v)) for k, v in fields.items())
+    parts = [len(MAC_CONTEXT).to_bytes(4, "big"), MAC_CONTEXT]
+    key = stream.encode()
+    parts += (len(key).to_bytes(4, "big"), key)
+    for name, value in items:
+        if name != MAC_FIELD:
+            parts += (len(name).to_bytes(4, "big"), name, len(value).to_bytes(4, "big"), value)
+    return b"".join(parts)

@@ -82,6 +82,14 @@ FLAGS: tuple[Flag, ...] = (
     Flag(name="--prefix", field="prefix", parse=str, used_by=ALL | {"status"}, env="PREFIX",
          help="namespace of every Redis key"),
     Flag(name="--stream-maxlen", field="maxlen", parse=int, used_by=ALL, env="STREAM_MAXLEN"),
+    # the bus's trust boundary (README: Security)
+    Flag(name="--redis-username", field="redis_username", parse=str, used_by=ALL | {"status"}, env="REDIS_USERNAME",
+         help="the Redis ACL user (default: the URL's; serve with its own Redis: one per role)"),
+    Flag(name="--redis-password", field="redis_password", parse=str, used_by=ALL | {"status"}, env="REDIS_PASSWORD",
+         secret=True, help="the Redis password (better in PAGEDSERVE_REDIS_PASSWORD: a command line shows in ps)"),
+    Flag(name="--bus-secret", field="bus_secret", parse=str, used_by=ALL, env="BUS_SECRET", secret=True,
+         help="key (16+ characters) of the HMAC every stream entry carries; entries without it are refused (serve: "
+              "a fresh one per run when none is given; better in PAGEDSERVE_BUS_SECRET)"),
     Flag(name="--heartbeat-ttl", field="heartbeat_ttl_s", parse=float, used_by=ALL, env="HEARTBEAT_TTL",
          help="seconds after which a service's heartbeat is deleted by the live ones (the service is gone)"),
     Flag(name="--model", field="model", parse=str, used_by=ALL, env="MODEL",

@@ -19,6 +19,7 @@ from typing import Iterable
 import redis
 
 from shared import entries
+from shared.bus_auth import BusSigner, ForgedEntry, RefusalLog, refusal_record
 from shared.dead_letters import dead_letter
 from shared.protocol import Message, ProtocolError, decode
 from shared.streams import FIELD, Envelope, Producer, blocking_client, check_block, decode_id
@@ -44,7 +45,7 @@ class GroupReader:
         self.accept = accept  # other message types are refused like garbage
         self.claim_idle_ms = claim_idle_ms
         self.dlq = dlq if dlq is not None else stream.split(":", 1)[0] + ":dlq"
-        self.producer = producer or Producer(client)
+        self.producer = producer or Producer(client, signer=signer)
         self.blocking = blocking_client(client, max_block_ms)
         self._draining = True  # own pending entries first
         self._pending_cursor = "0"
@@ -152,7 +153,12 @@ class GroupReader:
                 refused.append(entry_id)
                 continue
             try:
-                wires = entries.payloads(fields)
+                wires = entries.payloads(fields if self.signer is None else self.signer.verify(self.stream, fields))
+            except ForgedEntry as exc:  # its reply_to is as forged as the rest: nobody is answered
+                self.refusals.refused(entry_id, exc.message)
+                self.producer.send_raw(self.dlq, refusal_record(self.stream, entry_id, fields, exc.message))
+                refused.append(entry_id)
+                continue
             except ProtocolError as exc:
                 dead_letter(self.producer, self.dlq, self.stream, entry_id, fields.get(FIELD), exc.message)
                 refused.append(entry_id)

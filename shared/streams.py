@@ -22,6 +22,7 @@ import redis
 import redis.asyncio as aioredis
 
 from shared import entries
+from shared.bus_auth import BusSigner, ForgedEntry, RefusalLog, refusal_record
 from shared.protocol import Message, ProtocolError, decode
 
 log = logging.getLogger(__name__)
@@ -89,18 +90,20 @@ class Producer:
     competing readers)."""
 
     def __init__(self, client: redis.Redis, maxlen: int = DEFAULT_MAXLEN, *, batch: bool = False,
-                 per_entry: int = entries.MAX_PER_ENTRY):
+                 per_entry: int = entries.MAX_PER_ENTRY, signer: BusSigner | None = None):
         self.client = client
         self.maxlen = maxlen
         self.batch = batch
         self.per_entry = per_entry
+        self.signer = signer  # every entry carries its MAC (shared/bus_auth.py); None: unsigned
 
     def send(self, stream: str, msg: Message) -> str:
-        return decode_id(self.client.xadd(stream, {FIELD: msg.to_wire()}, maxlen=self.maxlen, approximate=True))
+        fields = _signed(self.signer, stream, {FIELD: msg.to_wire()})
+        return decode_id(self.client.xadd(stream, fields, maxlen=self.maxlen, approximate=True))
 
     def send_many(self, items: Iterable[tuple[str, Message]]) -> list[str]:
         """The ids of the entries written (batched: one per stream and per_entry messages)."""
-        packed = entries.pack(items, self.batch, self.per_entry)
+        packed = _signed_entries(self.signer, entries.pack(items, self.batch, self.per_entry))
         if not packed:
             return []
         if len(packed) == 1:
@@ -112,7 +115,16 @@ class Producer:
 
     def send_raw(self, stream: str, fields: dict) -> str:
         """XADD of arbitrary fields (dead letters keep the refused bytes as they came)."""
-        return decode_id(self.client.xadd(stream, fields, maxlen=self.maxlen, approximate=True))
+        return decode_id(self.client.xadd(stream, _signed(self.signer, stream, fields), maxlen=self.maxlen,
+                                          approximate=True))
+
+
+def _signed(signer: BusSigner | None, stream: str, fields: dict) -> dict:
+    return fields if signer is None else signer.sign(stream, fields)
+
+
+def _signed_entries(signer: BusSigner | None, packed: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    return packed if signer is None else [(stream, signer.sign(stream, fields)) for stream, fields in packed]
 
 
 class Outbox:
@@ -182,22 +194,42 @@ class Outbox:
 class AsyncProducer:
     """Producer over redis.asyncio, for the gateway."""
 
-    def __init__(self, client: aioredis.Redis, maxlen: int = DEFAULT_MAXLEN, *, batch: bool = False):
+    def __init__(self, client: aioredis.Redis, maxlen: int = DEFAULT_MAXLEN, *, batch: bool = False,
+                 signer: BusSigner | None = None):
         self.client = client
         self.maxlen = maxlen
         self.batch = batch
+        self.signer = signer
 
     async def send(self, stream: str, msg: Message) -> str:
-        return decode_id(await self.client.xadd(stream, {FIELD: msg.to_wire()}, maxlen=self.maxlen, approximate=True))
+        fields = _signed(self.signer, stream, {FIELD: msg.to_wire()})
+        return decode_id(await self.client.xadd(stream, fields, maxlen=self.maxlen, approximate=True))
 
     async def send_many(self, items: Iterable[tuple[str, Message]]) -> list[str]:
-        packed = entries.pack(items, self.batch)
+        packed = _signed_entries(self.signer, entries.pack(items, self.batch))
         if not packed:
             return []
         pipe = self.client.pipeline(transaction=False)
         for stream, fields in packed:
             pipe.xadd(stream, fields, maxlen=self.maxlen, approximate=True)
         return [decode_id(x) for x in await pipe.execute()]
+
+
+def _checked(reader, entry_id: str, fields: dict | None) -> dict | None:
+    """A plain reader's check of an entry's MAC (none without a signer): its fields, or None when
+    it is refused (counted, and its dead letter queued in ``reader.dead_letters``)."""
+    if reader.signer is None:
+        return fields
+    try:
+        return reader.signer.verify(reader.stream, fields)
+    except ForgedEntry as exc:
+        reader.refusals.refused(entry_id, exc.message)
+        reader.dead_letters.append(refusal_record(reader.stream, entry_id, fields, exc.message))
+        return None
+
+
+def _dlq_of(stream: str) -> str:
+    return stream.split(":", 1)[0] + ":dlq"
 
 
 def _decode_entry(stream: str, entry_id: str, fields: dict | None) -> list[Envelope]:
@@ -226,9 +258,14 @@ def _start_id(last_id: bytes | str | None) -> str:
 class StreamReader:
     """A private cursor over one stream (XREAD): for fan-out (engine ctl) and reply streams."""
 
-    def __init__(self, client: redis.Redis, stream: str, start: str = "$", max_block_ms: int = 60_000):
+    def __init__(self, client: redis.Redis, stream: str, start: str = "$", max_block_ms: int = 60_000, *,
+                 signer: BusSigner | None = None, dlq: str | None = None):
         self.client = client
         self.stream = stream
+        self.signer = signer  # entries without a valid MAC are refused (shared/bus_auth.py)
+        self.dlq = dlq or _dlq_of(stream)
+        self.refusals = RefusalLog(stream)
+        self.dead_letters: list[dict] = []
         self.blocking = blocking_client(client, max_block_ms)
         # resolve "$" now, so entries written between construction and the first read are seen
         self.last_id = self._resolve(start)
@@ -260,8 +297,20 @@ class StreamReader:
         out = []
         for entry_id, fields in raw_entries:
             self.last_id = decode_id(entry_id)
-            out += _decode_entry(self.stream, self.last_id, fields)
+            if (fields := _checked(self, self.last_id, fields)) is not None:
+                out += _decode_entry(self.stream, self.last_id, fields)
+        if self.dead_letters:
+            self._write_dead_letters()
         return out
+
+    def _write_dead_letters(self) -> None:
+        try:
+            producer = Producer(self.client, signer=self.signer)
+            while self.dead_letters:
+                producer.send_raw(self.dlq, self.dead_letters[0])
+                self.dead_letters.pop(0)
+        except redis.RedisError as exc:  # kept for the next read
+            log.warning("%s: dead letters not written yet: %s", self.stream, exc)
 
     def close(self) -> None:
         self.blocking.close()
@@ -270,9 +319,14 @@ class StreamReader:
 class AsyncStreamReader:
     """StreamReader over redis.asyncio: the gateway's reply-stream reader."""
 
-    def __init__(self, client: aioredis.Redis, stream: str, start: str = "0-0", max_block_ms: int = 60_000):
+    def __init__(self, client: aioredis.Redis, stream: str, start: str = "0-0", max_block_ms: int = 60_000, *,
+                 signer: BusSigner | None = None, dlq: str | None = None):
         self.client = client
         self.stream = stream
+        self.signer = signer  # entries without a valid MAC are refused (shared/bus_auth.py)
+        self.dlq = dlq or _dlq_of(stream)
+        self.refusals = RefusalLog(stream)
+        self.dead_letters: list[dict] = []
         self.blocking = async_blocking_client(client, max_block_ms)
         self.last_id = start
 
@@ -292,7 +346,15 @@ class AsyncStreamReader:
         out = []
         for entry_id, fields in (resp[0][1] if resp else []):
             self.last_id = decode_id(entry_id)
-            out += _decode_entry(self.stream, self.last_id, fields)
+            if (fields := _checked(self, self.last_id, fields)) is not None:
+                out += _decode_entry(self.stream, self.last_id, fields)
+        try:
+            while self.dead_letters:
+                await self.client.xadd(self.dlq, _signed(self.signer, self.dlq, self.dead_letters[0]),
+                                       maxlen=DEFAULT_MAXLEN, approximate=True)
+                self.dead_letters.pop(0)
+        except redis.RedisError as exc:  # kept for the next read; this read's messages still count
+            log.warning("%s: dead letters not written yet: %s", self.stream, exc)
         return out
 
     async def close(self) -> None:

@@ -27,12 +27,13 @@ class TokenizerService:
 
     def __init__(self, config: TokenizerConfig, encoder: PromptEncoder, client=None):
         self.config = config
-        self.client = client or connect(config.bus.redis_url)
+        self.client = client or connect(config.bus.redis_url, **config.bus.redis_auth)
         names = config.bus.names
-        self.to_engine = Producer(self.client, config.bus.maxlen)  # and to gateways (errors, echo)
+        # and to gateways (errors, echo)
+        self.to_engine = Producer(self.client, config.bus.maxlen, signer=config.bus.signer)
         self.from_gateway = GroupReader(self.client, names.tokenizer_in, GROUP_TOKENIZER, config.service_id,
                                         claim_idle_ms=config.claim_idle_ms, dlq=names.dlq,
-                                        producer=self.to_engine, accept=(GenerateRequest,))
+                                        producer=self.to_engine, accept=(GenerateRequest,), signer=config.bus.signer)
         self.heartbeat = HeartbeatWriter(self.client, names.heartbeat, "tokenizer", config.service_id,
                                          config.heartbeat_s, ttl_s=config.bus.heartbeat_ttl_s)
         self.outbox = Outbox(self.to_engine, self.from_gateway)
