@@ -162,7 +162,8 @@ class EngineService:
         arrival = self.engine.scheduler.clock()  # the request's queued time, and its span's start
         try:
             admission = self.engine.add_request(rid, req.prompt_token_ids, req.sampling, cache_salt=req.cache_salt,
-                                                arrival_time=arrival)
+                                                arrival_time=arrival,
+                                                resumed_token_ids=req.resumed_token_ids, resumed_seq=req.resumed_seq)
         except ProtocolError as exc:
             code = getattr(exc, "code", 400)
             error = ErrorInfo(message=exc.message, param=exc.param, code=code,

@@ -8,7 +8,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from shared.protocol import RequestOutput
+from shared.protocol import RequestOutput, Resume
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +20,8 @@ class _Reader(Protocol):
 class _Inbox(Protocol):
     def put(self, out: RequestOutput) -> None: ...
 
+    def resume(self, msg: Resume) -> None: ...
+
 
 class Collector:
     """Owns the routing table ``inboxes: request_id -> inbox`` and the task that fills it.
@@ -28,7 +30,8 @@ class Collector:
     flight cost one blocking Redis call, not N. A read's outputs are all delivered before the task
     yields, so each request's task wakes once per read with everything the read held for it.
     An output for a request that is not registered (it finished, timed out or its client left)
-    is dropped: nobody is waiting for it.
+    is dropped: nobody is waiting for it. A ``Resume`` (the request's engine died) goes to the
+    inbox's ``resume``, which resubmits the request.
     """
 
     def __init__(self, reader: _Reader, *, batch: int = 512, block_ms: int = 1000, retry_s: float = 0.5,
@@ -84,11 +87,14 @@ class Collector:
                     log.warning("reply stream trim failed: %s", exc)
 
     def deliver(self, msg: Any) -> None:
-        if not isinstance(msg, RequestOutput):
+        if not isinstance(msg, (RequestOutput, Resume)):
             log.warning("unexpected %s on the reply stream", type(msg).__name__)
             return
         inbox = self.inboxes.get(msg.request_id)
         if inbox is None:
             self.num_dropped += 1
             return
-        inbox.put(msg)
+        if isinstance(msg, Resume):
+            inbox.resume(msg)
+        else:
+            inbox.put(msg)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Protocol
@@ -12,8 +14,9 @@ from gateway.direct_write import DirectWriter
 from gateway.errors import APIError
 from gateway.openai_protocol.response_bodies import UsageInfo
 from gateway.renderer import make_usage
-from shared.protocol import GenerateRequest, RequestOutput
+from shared.protocol import ErrorInfo, FinishReason, GenerateRequest, RequestOutput, Resume
 
+log = logging.getLogger(__name__)
 MAX_GAPS = 4096
 
 Applied = list[tuple[ChoiceState, RequestOutput]]
@@ -39,6 +42,10 @@ class Submission:
     wire, so a plain text delta is applied and written at once instead. ``close()`` always runs
     (the responder's ``finally``): it unregisters the ids and, unless every choice finished,
     aborts them so the engine frees their blocks.
+
+    Failover: when the engine generating a prompt dies, its detok shard sends a ``Resume`` with
+    the output tokens it already took; ``resume()`` resubmits that prompt's GenerateRequest with
+    them (``resumed_token_ids``, ``resumed_seq``), and its outputs go on where they stopped.
     """
 
     def __init__(self, bus: _Bus, requests: Sequence[GenerateRequest], *, idle_timeout_s: float,
@@ -64,6 +71,8 @@ class Submission:
         self._watchdog: asyncio.TimerHandle | None = None
         self._echo = [r.echo for r in self.requests]
         self.direct_writer: DirectWriter | None = None  # set by the responder once the stream began
+        self.num_resumes = 0
+        self._resubmissions: set[asyncio.Task] = set()
         self.num_direct = 0  # outputs the fast path wrote
         for p, text in enumerate(echo_texts or ()):
             if text is not None and self._echo[p]:
@@ -113,6 +122,28 @@ class Submission:
             self._waiting_since = self._last_output_time  # the idle watchdog counts from here
         return True
 
+    def resume(self, msg: Resume) -> None:
+        """The prompt's engine died: send the prompt again, going on from the tokens delivered."""
+        position = self.positions.get(msg.request_id)
+        if position is None or self.is_cancelled or self.is_finished:
+            return
+        request = dataclasses.replace(self.requests[position], resumed_token_ids=msg.token_ids,
+                                      resumed_seq=msg.next_seq)
+        self.num_resumes += 1
+        log.info("resuming %s after engine %s died (%d tokens delivered)", msg.request_id, msg.engine_id,
+                 len(msg.token_ids))
+        task = asyncio.get_running_loop().create_task(self._resubmit(request))
+        self._resubmissions.add(task)
+        task.add_done_callback(self._resubmissions.discard)
+
+    async def _resubmit(self, request: GenerateRequest) -> None:
+        try:
+            await self.bus.submit([request])
+        except APIError as exc:  # the bus is gone: the client gets the error the first submit would have
+            self.put(RequestOutput(request_id=request.request_id, finish_reason=FinishReason.ERROR,
+                                   error=ErrorInfo(message=exc.message, type="ServiceUnavailableError",
+                                                   code=exc.status)))
+
     def cancel(self) -> None:
         """The client went away: wake ``receive()``, which then returns nothing."""
         self.is_cancelled = True
@@ -123,6 +154,8 @@ class Submission:
             self._watchdog.cancel()
         for request_id in self.request_ids:
             self.bus.collector.unregister(request_id)
+        for task in list(self._resubmissions):  # a resume the client no longer waits for
+            task.cancel()
         if not self.is_finished:
             self.bus.abort(self.request_ids, reason)
 

@@ -122,6 +122,7 @@ class PromptEncoder:
         out.append((self.names.engine_in, EngineRequest(
             request_id=r.request_id, reply_to=r.reply_to, prompt_token_ids=tuple(w.ids), sampling=s,
             detok=detok, cache_salt=r.cache_salt, arrival_time=r.arrival_time,
+            resumed_token_ids=r.resumed_token_ids, resumed_seq=r.resumed_seq,  # failover: the engine goes on
             trace=self.tracing.carrier(w.span) if w.span is not None else {})))
         return out
 

@@ -1,0 +1,96 @@
+"""Engine failover: two engines, the one generating several streams is SIGKILLed mid-stream; every
+stream goes on on the survivor (prompt plus the tokens already delivered, re-prefilled) and
+completes without an error, with the text of the same requests run without the fault."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import openai
+import pytest
+
+from tests.e2e.conftest import TINY_MAX_MODEL_LEN
+from tests.e2e.stack import Stack
+
+# float32: a re-prefill computes exactly what the decode steps did (bfloat16 may round differently)
+ENGINE_ARGS = ["--enforce-eager", "--dtype", "float32", "--kv-cache-memory", "64M", "--max-num-seqs", "16",
+               "--max-num-batched-tokens", "1024"]
+MAX_TOKENS = 300
+REQUESTS = [dict(prompt=f"Story {i}:", temperature=0.0) for i in range(4)] + [
+    dict(prompt="Seeded:", temperature=1.0, top_p=0.95, seed=1234),  # seeded sampling goes on from the same state
+    dict(prompt="Penalized:", temperature=0.8, seed=99, frequency_penalty=0.5),
+]
+
+
+@pytest.fixture
+def stack(redis_url, tiny_llama_dir, tmp_path):
+    stack = Stack(redis_url, tiny_llama_dir, tmp_path / "logs", max_model_len=TINY_MAX_MODEL_LEN,
+                  engine_args=ENGINE_ARGS)
+    stack.start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+async def stream_text(client, progress: list[int] | None = None, **kwargs) -> tuple[str, int]:
+    """The streamed text of one completion and its completion_tokens (from the usage chunk);
+    ``progress[0]`` counts the text chunks received so far."""
+    stream = await client.completions.create(model="tiny", max_tokens=MAX_TOKENS, stream=True,
+                                             stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True}, **kwargs)
+    parts, usage = [], None
+    async for chunk in stream:
+        if chunk.choices:
+            parts.append(chunk.choices[0].text)
+            if progress is not None:
+                progress[0] += 1
+        if chunk.usage is not None:
+            usage = chunk.usage
+    return "".join(parts), usage.completion_tokens
+
+
+def test_streams_of_a_sigkilled_engine_complete_on_the_survivor_with_the_same_text(stack):
+    victim = stack.start_service("engine-b", "engine_svc", "--service-id", "engine-1", *ENGINE_ARGS)
+    survivor = stack.service("engine")
+    deadline = time.monotonic() + 120
+    while "engine-1" not in stack.heartbeats():
+        assert time.monotonic() < deadline, stack.logs()
+        time.sleep(0.25)
+
+    async def scenario():
+        async with openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="x", max_retries=0,
+                                      timeout=180) as client:
+            baseline = await asyncio.gather(*(stream_text(client, **r) for r in REQUESTS))
+            survivor.signal(signal.SIGSTOP)  # a few seconds: only the victim admits what comes now
+            try:
+                await asyncio.sleep(1.5)  # the blocking read the survivor may have left in Redis expires
+                progress = [[0] for _ in REQUESTS]
+                tasks = [asyncio.ensure_future(stream_text(client, progress[i], **r)) for i, r in enumerate(REQUESTS)]
+                deadline = time.monotonic() + 60
+                while not all(p[0] >= 5 for p in progress):  # every stream under way (so: admitted by the victim)
+                    assert time.monotonic() < deadline and not any(t.done() for t in tasks), stack.logs()
+                    await asyncio.sleep(0.02)
+                victim.signal(signal.SIGSTOP)  # frozen mid-stream (no token, no heartbeat), then killed
+                cut = [p[0] for p in progress]
+            finally:
+                survivor.signal(signal.SIGCONT)
+            killed_at = time.monotonic()
+            victim.signal(signal.SIGKILL)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            return baseline, results, cut, time.monotonic() - killed_at
+
+    baseline, results, cut, seconds = asyncio.run(scenario())
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, (errors, stack.logs())
+    assert all(tokens == MAX_TOKENS for _, tokens in baseline + results)
+    for request, (want, _), (got, _) in zip(REQUESTS, baseline, results):
+        assert got == want, request
+    assert seconds < 60  # the heartbeat age (10 s) and a check (2 s), then the rest of the tokens
+    # every stream was cut mid-way: the rest came from the survivor
+    assert all(5 <= c < MAX_TOKENS // 2 for c in cut), cut
+    with stack.redis() as client:  # the dead engine's stale heartbeat is no request state: forget it
+        client.hdel(stack.names.heartbeat, "engine-1")
+    stack.assert_idle(timeout_s=20)
