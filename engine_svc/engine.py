@@ -15,7 +15,8 @@ from engine_svc.request import Request
 from engine_svc.sampler import Sampler
 from engine_svc.scheduler import Scheduler
 from engine_svc.structured.manager import GrammarManager
-from shared.protocol import Admission, ErrorInfo, FinishReason, ProtocolError, SamplingParams, TokenDelta, TokenLogprobs
+from shared.protocol import (Admission, ErrorInfo, FinishReason, ProtocolError, SamplingParams, TokenDelta,
+                             TokenLogprobs, check_deadline)
 
 
 @dataclass(slots=True)
@@ -66,7 +67,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                     cache_salt: str | None = None, arrival_time: float | None = None,
-                    resumed_token_ids: Sequence[int] = (), resumed_seq: int = 0) -> Admission:
+                    resumed_token_ids: Sequence[int] = (), resumed_seq: int = 0, deadline: float = 0.0) -> Admission:
         """Validate again (a second front door must not bypass limits), then queue. The returned
         Admission is the request's first message (the caller adds where it goes).
 
@@ -74,13 +75,16 @@ class LLMEngine:
         they are re-prefilled after the prompt as outputs (max_tokens, min_tokens, penalties and
         usage count them), its deltas go on at ``resumed_seq``, and a seeded sequence's generator
         is advanced past the draws that sampled them, so the continuation is the one the dead
-        engine would have produced."""
+        engine would have produced.
+
+        A request past its ``deadline`` (unix time, 0: none) is refused with a 503 before anything else."""
+        self.scheduler.refuse_expired(check_deadline(deadline))
         self._validate(request_id, prompt_token_ids, params)
         self._validate_resume(prompt_token_ids, params, resumed_token_ids, resumed_seq)
         prompt = list(prompt_token_ids)
         request = Request(request_id, prompt, params, cache_salt=cache_salt,
                           arrival_time=arrival_time if arrival_time is not None else self.scheduler.clock(),
-                          token_ids=prompt + list(resumed_token_ids), num_deltas_sent=resumed_seq)
+                          token_ids=prompt + list(resumed_token_ids), num_deltas_sent=resumed_seq, deadline=deadline)
         self.scheduler.add(request)
         if resumed_token_ids and request.generator is not None and not params.is_greedy:
             skip_draws(request.generator, len(resumed_token_ids), self.vocab_size)

@@ -50,6 +50,8 @@ class IterationStats:
     - ``num_preemptions``: sequences preempted (by recompute).
     - ``admitted``: (n, max_tokens) of each request added.
     - ``finished``: each sequence that finished, whatever the reason.
+    - ``num_expired``: requests dropped past their deadline, by phase ("admission": refused;
+      "waiting": nothing computed; "running": dropped after some was), once per request.
     """
 
     num_prompt_tokens: int = 0
@@ -58,6 +60,7 @@ class IterationStats:
     step_tokens: list[int] = field(default_factory=list)
     admitted: list[tuple[int, int]] = field(default_factory=list)
     finished: list[FinishedSequence] = field(default_factory=list)
+    num_expired: dict[str, int] = field(default_factory=dict)
 
 
 # The scheduler's notes, made where the events happen (on Request fields the stats read later).

@@ -17,6 +17,7 @@ from shared.telemetry import N_BUCKETS, REQUEST_LATENCY_BUCKETS, TOKEN_BUCKETS, 
 
 log = logging.getLogger(__name__)
 STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+EXPIRY_PHASES = ("admission", "waiting", "running")  # where a request past its deadline was dropped
 
 
 class EngineMetrics:
@@ -52,6 +53,10 @@ class EngineMetrics:
         self.params_n = histogram("request_params_n", "n of each admitted request", N_BUCKETS)
         self.params_max_tokens = histogram("request_params_max_tokens", "max_tokens of each admitted request",
                                            TOKEN_BUCKETS)
+        expired = SeriesMaker(self.registry, ["model_name", "engine"]).counter(
+            "num_requests_expired", "Requests dropped past their deadline, by phase (admission: refused; waiting: "
+            "nothing computed; running: some computed)", extra=("phase",))
+        self.num_requests_expired = {phase: expired.labels(*self.labels, phase) for phase in EXPIRY_PHASES}
         self._prefix_cache_seen = (0, 0)
 
     def record(self, stats: IterationStats, engine_stats: dict[str, float]) -> None:
@@ -72,6 +77,8 @@ class EngineMetrics:
             self.generation_tokens.inc(stats.num_generation_tokens)
         if stats.num_preemptions:
             self.num_preemptions.inc(stats.num_preemptions)
+        for phase, num in stats.num_expired.items():
+            self.num_requests_expired[phase].inc(num)
         for num_tokens in stats.step_tokens:
             self.iteration_tokens.observe(num_tokens)
         for n, max_tokens in stats.admitted:

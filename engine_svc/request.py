@@ -36,6 +36,7 @@ class Request:
     index: int = 0
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    deadline: float = 0.0  # unix time: past it the scheduler drops the request (0: none)
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
@@ -74,7 +75,7 @@ class Request:
                        beam=self.beam, matcher=self.matcher.fork() if self.matcher is not None else None,
                        scheduled_time=self.scheduled_time, first_token_time=self.first_token_time,
                        last_token_time=self.last_token_time, preemption_times=list(self.preemption_times),
-                       prefill_chunks=list(self.prefill_chunks), **changes)
+                       prefill_chunks=list(self.prefill_chunks), deadline=self.deadline, **changes)
 
     @property
     def key(self) -> tuple[str, int]:

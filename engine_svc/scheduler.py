@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -14,7 +15,10 @@ from engine_svc.deltas import beam_deltas, check_stop, final_delta, make_delta
 from engine_svc.iteration_stats import IterationStats, finished_record, note_chunk, note_token
 from engine_svc.request import Request, RequestStatus, make_generator
 from engine_svc.scheduler_output import SampleRow, ScheduledChunk, SamplerOutput, SchedulerOutput, SeqKey
-from shared.protocol import ErrorInfo, FinishReason, ProtocolError, TokenDelta
+from shared.protocol import ErrorInfo, FinishReason, ProtocolError, TokenDelta, is_expired
+
+EXPIRED = ErrorInfo(message="the request's deadline passed before it could be served (request_timeout)",
+                    type="ServiceUnavailableError", code=503)
 
 
 class Scheduler:
@@ -29,11 +33,16 @@ class Scheduler:
     It also counts what happens, where it happens (``stats``, handed out by ``take_stats()``),
     and stamps each sequence's phases with ``clock``; ``record_decode_steps`` keeps every decode
     step's times too (``--collect-detailed-traces``).
+
+    A request past its deadline (a unix time, read with ``wall_clock``: deadlines cross
+    processes) is never computed again: each step first drops every expired request, waiting
+    or running, with one final ERROR delta per unfinished choice, and frees its blocks.
     """
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
                  eos_token_ids: Iterable[int] = (), generator_device: str = "cpu", grammars=None,
-                 clock: Callable[[], float] = time.monotonic, record_decode_steps: bool = False):
+                 clock: Callable[[], float] = time.monotonic, record_decode_steps: bool = False,
+                 wall_clock: Callable[[], float] = time.time):
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -45,6 +54,8 @@ class Scheduler:
         self.requests: dict[str, list[Request]] = {}
         self.num_preemptions = 0
         self.clock = clock
+        self.wall_clock = wall_clock
+        self._deadlines: list[tuple[float, str]] = []  # a heap of (deadline, request_id)
         self.record_decode_steps = record_decode_steps
         self.stats = IterationStats()
         self._step_start = 0.0
@@ -69,6 +80,8 @@ class Scheduler:
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.waiting.append(request)
         self.requests[request.request_id] = [request]
+        if request.deadline:
+            heapq.heappush(self._deadlines, (request.deadline, request.request_id))
         self.stats.admitted.append((params.n, self._max_tokens(request)))
 
     def abort(self, request_ids: Iterable[str], reason: FinishReason = FinishReason.ABORT,
@@ -103,8 +116,32 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._aborted)
 
+    # ------------------------------------------------------------------ deadlines
+    def refuse_expired(self, deadline: float) -> None:
+        """Admission: a request already past its deadline is refused (a 503), counted, never queued."""
+        if is_expired(deadline, self.wall_clock()):
+            self.stats.num_expired["admission"] = self.stats.num_expired.get("admission", 0) + 1
+            raise ProtocolError(EXPIRED.message, None, code=503)
+
+    def _drop_expired(self) -> None:
+        """Abort every request whose deadline passed, before this step computes anything for it;
+        counted by phase: "waiting" (nothing computed yet) or "running" (some computed)."""
+        now = self.wall_clock()
+        expired = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, request_id = heapq.heappop(self._deadlines)
+            family = self.requests.get(request_id)
+            if family and family[0].deadline == deadline:  # not finished, nor a later request of that id
+                phase = "running" if any(r.scheduled_time is not None for r in family) else "waiting"
+                self.stats.num_expired[phase] = self.stats.num_expired.get(phase, 0) + 1
+                expired.append(request_id)
+        if expired:
+            self.abort(expired, FinishReason.ERROR, EXPIRED)
+
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
+        if self._deadlines:
+            self._drop_expired()
         plan = SchedulerOutput()
         self._scheduled, self._sampled = [], {}
         self._step_start = self.clock()

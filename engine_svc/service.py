@@ -41,16 +41,22 @@ MAX_REMEMBERED = 100_000
 
 
 class RecentIds:
-    """A bounded set of request ids seen lately (finished, or aborted before they arrived)."""
+    """A set of request ids seen lately (finished, or aborted before they arrived). Each id is
+    kept ``keep_s`` seconds at least -- the longest request deadline, so that a request
+    re-delivered or arriving after its abort is recognised as long as it could still be computed
+    (after that its deadline drops it anyway) -- and beyond that while fewer than ``limit`` are held."""
 
-    def __init__(self, limit: int = MAX_REMEMBERED):
-        self.ids: OrderedDict[str, None] = OrderedDict()
+    def __init__(self, limit: int = MAX_REMEMBERED, keep_s: float = 0.0, clock=time.monotonic):
+        self.ids: OrderedDict[str, float] = OrderedDict()  # id -> when added, oldest first
         self.limit = limit
+        self.keep_s = keep_s
+        self.clock = clock
 
     def add(self, request_id: str) -> None:
-        self.ids[request_id] = None
+        now = self.clock()
+        self.ids[request_id] = now
         self.ids.move_to_end(request_id)
-        if len(self.ids) > self.limit:
+        while len(self.ids) > self.limit and now - next(iter(self.ids.values())) >= self.keep_s:
             self.ids.popitem(last=False)
 
     def __contains__(self, request_id: str) -> bool:
@@ -81,8 +87,8 @@ class EngineService:
         self.outbox = Outbox(self.to_detok, self.from_tokenizer)  # admissions are acked once they are out
         self.reply_to: dict[str, str] = {}  # request id -> its gateway's stream, while the engine holds it
         self._num_losses = 0  # bus losses (HeartbeatWriter.num_losses) already answered
-        self.finished = RecentIds()
-        self.aborted = RecentIds()  # aborts that arrived before their request
+        self.finished = RecentIds(keep_s=config.ctl_lookback_s)
+        self.aborted = RecentIds(keep_s=config.ctl_lookback_s)  # aborts that arrived before their request
         self.stopping = threading.Event()
         model_name = served_model_name(config.engine.served_model_name, config.engine.model)
         self.metrics = metrics or EngineMetrics(model_name, config.service_id)
@@ -162,7 +168,7 @@ class EngineService:
         arrival = self.engine.scheduler.clock()  # the request's queued time, and its span's start
         try:
             admission = self.engine.add_request(rid, req.prompt_token_ids, req.sampling, cache_salt=req.cache_salt,
-                                                arrival_time=arrival,
+                                                arrival_time=arrival, deadline=req.deadline,
                                                 resumed_token_ids=req.resumed_token_ids, resumed_seq=req.resumed_seq)
         except ProtocolError as exc:
             code = getattr(exc, "code", 400)

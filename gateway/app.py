@@ -65,8 +65,9 @@ class Endpoints:
             if isinstance(prompt, tuple):
                 self._check_prompt_len(len(prompt))
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        requests = [self._bus_request(f"{response_id}-{i}", params, echo=body.echo, cache_salt=body.cache_salt,
-                                  prompt=p if isinstance(p, str) else None,
+        timeout_s = body.timeout_s(self.limits.idle_timeout_s)
+        requests = [self._bus_request(f"{response_id}-{i}", params, timeout_s, echo=body.echo,
+                                  cache_salt=body.cache_salt, prompt=p if isinstance(p, str) else None,
                                   prompt_token_ids=p if isinstance(p, tuple) else None)
                     for i, p in enumerate(prompts)]
         echo_texts = [p if isinstance(p, str) else None for p in prompts]
@@ -79,22 +80,23 @@ class Endpoints:
         tools = body.tool_policy(self.options)
         params = body.sampling_params(self.options, tools)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        requests = [self._bus_request(f"{response_id}-0", params, messages=messages, cache_salt=body.cache_salt,
+        requests = [self._bus_request(f"{response_id}-0", params, body.timeout_s(self.limits.idle_timeout_s),
+                                      messages=messages, cache_salt=body.cache_salt,
                                   add_generation_prompt=body.add_generation_prompt, tools=body.tools_json())]
         renderer = ChatCompletionRenderer(response_id, self.ctx.model_name, want_logprobs=body.logprobs,
                                           tools=tools)
         return await self._submit(requests, renderer, body, headers=request.headers)
 
-    def _bus_request(self, request_id: str, params, **fields) -> GenerateRequest:
+    def _bus_request(self, request_id: str, params, timeout_s: float, **fields) -> GenerateRequest:
+        now = time.time()  # the deadline is the one timeout of a request (gateway/submission.py)
         return GenerateRequest(request_id=request_id, reply_to=self.ctx.reply_to, sampling=params,
-                               arrival_time=time.time(), **fields)
+                               arrival_time=now, deadline=now + timeout_s, **fields)
 
     async def _submit(self, requests, renderer, body, echo_texts=None, headers=None) -> Responder:
         if self.ctx.num_in_flight >= self.limits.max_pending_requests:
             raise APIError(429, "too many requests in flight; retry later")
         span, requests = self.ctx.trace_requests(requests, headers)  # (None, requests) with tracing off
-        submission = Submission(self.ctx, requests, idle_timeout_s=self.limits.idle_timeout_s,
-                                echo_texts=echo_texts, param_names=body.param_names())
+        submission = Submission(self.ctx, requests, echo_texts=echo_texts, param_names=body.param_names())
         await submission.start()
         self.ctx.num_in_flight += 1
         self.ctx.log_request(submission, span)

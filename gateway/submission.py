@@ -43,17 +43,21 @@ class Submission:
     (the responder's ``finally``): it unregisters the ids and, unless every choice finished,
     aborts them so the engine frees their blocks.
 
+    The requests' deadline (unix time, set by the endpoint) is the one timeout: at it the client
+    gets a 503 (one SSE error event once streaming), and ``close()`` aborts the requests, which no
+    service computes past that time anyway.
+
     Failover: when the engine generating a prompt dies, its detok shard sends a ``Resume`` with
     the output tokens it already took; ``resume()`` resubmits that prompt's GenerateRequest with
     them (``resumed_token_ids``, ``resumed_seq``), and its outputs go on where they stopped.
     """
 
-    def __init__(self, bus: _Bus, requests: Sequence[GenerateRequest], *, idle_timeout_s: float,
+    def __init__(self, bus: _Bus, requests: Sequence[GenerateRequest], *,
                  echo_texts: Sequence[str | None] | None = None, param_names: Mapping[str, str] | None = None):
         self.bus = bus
         self.param_names = param_names or {}  # a service's parameter name -> the client's (errors)
         self.requests = list(requests)
-        self.idle_timeout_s = idle_timeout_s
+        self.deadline = min(r.deadline for r in self.requests)  # 0: none
         self.n = self.requests[0].sampling.n
         self.positions = {r.request_id: p for p, r in enumerate(self.requests)}
         self.prompts = [PromptState() for _ in self.requests]
@@ -67,7 +71,6 @@ class Submission:
         self._last_output_time = self.start_time
         self._inbox: list[RequestOutput] = []
         self._waiter: asyncio.Future | None = None  # set while receive() waits on an empty inbox
-        self._waiting_since = self.start_time  # the idle timeout counts from the last wait
         self._watchdog: asyncio.TimerHandle | None = None
         self._echo = [r.echo for r in self.requests]
         self.direct_writer: DirectWriter | None = None  # set by the responder once the stream began
@@ -119,7 +122,6 @@ class Submission:
         if self._add(choice, out):
             self.direct_writer.write(event)
             self.num_direct += 1
-            self._waiting_since = self._last_output_time  # the idle watchdog counts from here
         return True
 
     def resume(self, msg: Resume) -> None:
@@ -164,9 +166,12 @@ class Submission:
         empty list once every choice finished or the client left (``is_cancelled``).
 
         Raises APIError for an error reported by any service (after handing over the outputs
-        that came before it) or when nothing arrives for ``idle_timeout_s``.
+        that came before it) or at the deadline.
         """
         while not self.is_cancelled and not self.is_finished:
+            if self.is_timed_out:
+                raise APIError(503, f"the request did not finish by its deadline "
+                                    f"({self.deadline - self.requests[0].arrival_time:g}s after it arrived)")
             if not self._inbox:
                 await self._wait()
                 continue
@@ -191,14 +196,10 @@ class Submission:
         return self.choices
 
     async def _wait(self) -> None:
-        """One timer per submission watches for silence, re-armed only when it fires: a timer per
-        wait would cost one for every token."""
-        if self.is_timed_out:
-            raise APIError(503, f"no reply from the serving stack within {self.idle_timeout_s:g}s")
+        """One timer per submission, for its deadline (armed at the first wait)."""
         loop = asyncio.get_running_loop()
-        self._waiting_since = time.monotonic()
-        if self._watchdog is None:
-            self._watchdog = loop.call_later(self.idle_timeout_s, self._watch)
+        if self._watchdog is None and self.deadline:
+            self._watchdog = loop.call_later(max(self.deadline - time.time(), 0.0), self._expire)
         self._waiter = loop.create_future()
         try:
             await self._waiter
@@ -210,14 +211,9 @@ class Submission:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _watch(self) -> None:
-        quiet_s = time.monotonic() - self._waiting_since
-        if quiet_s >= self.idle_timeout_s and not self._inbox:
-            self.is_timed_out = True
-            self._wake()
-        else:
-            self._watchdog = asyncio.get_running_loop().call_later(max(self.idle_timeout_s - quiet_s, 0.01),
-                                                                   self._watch)
+    def _expire(self) -> None:
+        self.is_timed_out = True
+        self._wake()
 
     def _apply(self, out: RequestOutput) -> ChoiceState | None:
         position = self.positions.get(out.request_id)

@@ -188,8 +188,10 @@ class EngineServiceConfig:
     # failed (503) instead of computed for clients whose gateways have most likely given up
     max_outage_s: float = 60.0
     # a starting engine applies the aborts of this many seconds back: it may claim (after
-    # claim_idle_ms) requests a dead engine never admitted, whose clients left meanwhile
-    ctl_lookback_s: float = 120.0
+    # claim_idle_ms) requests a dead engine never admitted, whose clients left meanwhile. It is
+    # also how long the engine remembers an abort (or a finished id). Keep it >= the gateways'
+    # --request-timeout (their longest deadline): an older abort is moot, its request has expired.
+    ctl_lookback_s: float = 600.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

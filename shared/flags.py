@@ -112,7 +112,9 @@ FLAGS: tuple[Flag, ...] = (
          help="bind with SO_REUSEPORT, so that several gateways share the port (the kernel spreads connections)"),
     Flag(name="--log-level", field="log_level", parse=str, used_by=GATEWAY),
     Flag(name="--request-timeout", field="idle_timeout_s", parse=float, used_by=GATEWAY,
-         help="seconds without any reply after which a request fails (503) and is aborted"),
+         help="seconds a request may take, and the longest a client may ask (request_timeout): its deadline is "
+              "its arrival plus this; at the deadline it fails (503) and is aborted, and no service computes it "
+              "any more"),
     Flag(name="--max-body-bytes", field="max_body_bytes", parse=int, used_by=GATEWAY),
     Flag(name="--max-pending-requests", field="max_pending_requests", parse=int, used_by=GATEWAY,
          help="HTTP requests in flight on this gateway beyond which it answers 429 (with Retry-After)"),
@@ -164,6 +166,9 @@ FLAGS: tuple[Flag, ...] = (
     _engine("--enable-prefix-caching", None, ""),
     _engine("--enable-chunked-prefill", None, ""),
     _engine("--enforce-eager", None, "no torch.compile of the forward"),
+    Flag(name="--ctl-lookback", field="ctl_lookback_s", parse=float, used_by=ENGINE,
+         help="seconds of aborts a starting engine replays, and how long it remembers one; keep it at least the "
+              "gateways' --request-timeout"),
     Flag(name="--max-outage", field="max_outage_s", parse=float, used_by=ENGINE,
          help="Redis unreachable for longer than this many seconds: the requests the engine held meanwhile are "
               "failed (503) when it is back, not computed"),

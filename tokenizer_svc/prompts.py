@@ -13,8 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.protocol import (DetokParams, EngineRequest, ErrorInfo, FinishReason, GenerateRequest, Message,
-                             ProtocolError, RequestOutput, StreamNames)
+                             ProtocolError, RequestOutput, StreamNames, check_deadline, is_expired)
 from tokenizer_svc.chat import ChatRenderer
+
+# its gateway has answered the client at the deadline (and aborted it): no work for it here
+EXPIRED = ErrorInfo(message="the request's deadline passed before it was tokenized (request_timeout)",
+                    type="ServiceUnavailableError", code=503)
 
 
 @dataclass(slots=True)
@@ -72,6 +76,9 @@ class PromptEncoder:
     def _prepare(self, w: _Work) -> None:
         r = w.request
         try:
+            if is_expired(check_deadline(r.deadline), time.time()):
+                w.error = EXPIRED
+                return
             given = sum(x is not None for x in (r.prompt, r.prompt_token_ids, r.messages))
             if given != 1:
                 raise ProtocolError("give exactly one of prompt, prompt_token_ids or messages", "prompt")
@@ -121,7 +128,7 @@ class PromptEncoder:
                             min_tokens=s.min_tokens)
         out.append((self.names.engine_in, EngineRequest(
             request_id=r.request_id, reply_to=r.reply_to, prompt_token_ids=tuple(w.ids), sampling=s,
-            detok=detok, cache_salt=r.cache_salt, arrival_time=r.arrival_time,
+            detok=detok, cache_salt=r.cache_salt, arrival_time=r.arrival_time, deadline=r.deadline,
             resumed_token_ids=r.resumed_token_ids, resumed_seq=r.resumed_seq,  # failover: the engine goes on
             trace=self.tracing.carrier(w.span) if w.span is not None else {})))
         return out

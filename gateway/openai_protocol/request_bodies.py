@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -110,6 +111,7 @@ class _SamplingFields(_RequestBody):
     early_stopping: bool = False
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
+    request_timeout: float | None = None  # pagedserve's extra: seconds this request may take (its deadline)
 
     @property
     def has_constraint(self) -> bool:
@@ -181,6 +183,17 @@ class _SamplingFields(_RequestBody):
             structured_outputs=constraint,
         )
         return params.validate()
+
+    def timeout_s(self, limit_s: float) -> float:
+        """Seconds until this request's deadline: the client's ``request_timeout``, at most the
+        server's ``--request-timeout`` (``limit_s``, also the default), so that an engine that
+        remembers aborts that long covers every deadline."""
+        timeout = self.request_timeout
+        if timeout is None:
+            return limit_s
+        if not (math.isfinite(timeout) and 0 < timeout <= limit_s):
+            raise ProtocolError(f"request_timeout must be a number of seconds in (0, {limit_s:g}]", "request_timeout")
+        return timeout
 
     @property
     def include_usage(self) -> bool:

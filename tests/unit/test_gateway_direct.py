@@ -3,8 +3,7 @@
 Outputs arrive one at a time, as from the bus, so that the stream's task waits on an empty inbox
 when most of them land: those go straight to the transport. The client must see exactly what the
 ASGI path sends (compared with Starlette's TestClient, which has no raw send and so never takes
-the fast path), and a stream longer than the idle timeout must not time out while its chunks
-flow. The fast path must not turn itself off without a test failing: the installed uvicorn must
+the fast path), and a stream still flowing at its deadline must end there with one error event. The fast path must not turn itself off without a test failing: the installed uvicorn must
 be one it supports, and under it most plain deltas must take it.
 """
 
@@ -125,15 +124,21 @@ def test_fast_path_sends_what_the_asgi_path_sends(n):
     assert not ctx.collector.inboxes and not ctx.aborted  # finished: nothing left, nothing aborted
 
 
-def test_a_stream_longer_than_the_idle_timeout_does_not_time_out():
+def test_a_stream_still_flowing_at_its_deadline_ends_with_one_error_event_and_an_abort():
+    """The deadline is the one timeout (gateway/submission.py): chunks flowing, on the fast path
+    too, do not move it."""
     config = GatewayConfig(served_model_name="tiny")
-    ctx = PacedContext(config, GatewayLimits(idle_timeout_s=0.15), _script)
-    ctx.gap_s = 0.02  # 30 outputs over 0.6 s, none more than 0.02 s apart
+    ctx = PacedContext(config, GatewayLimits(idle_timeout_s=30.0), _script)
+    ctx.gap_s = 0.05  # 30 outputs over 1.5 s; the client's deadline comes after 0.6 s
     with Server(ctx, config) as server:
-        events = server.stream({"model": "tiny", "prompt": "hi", "stream": True, "max_tokens": 64})
+        events = server.stream({"model": "tiny", "prompt": "hi", "stream": True, "max_tokens": 64,
+                                "request_timeout": 0.6})
     assert ctx.collector.num_direct > 0
-    assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1])
-    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == "".join(f"{t}0" for t in TEXTS)
+    *chunks, last = [json.loads(e) for e in events]
+    assert last["error"]["code"] == 503 and "deadline" in last["error"]["message"]
+    assert 0 < len(chunks) < len(TEXTS) and all("error" not in c for c in chunks)
+    assert "".join(f"{t}0" for t in TEXTS).startswith("".join(c["choices"][0]["text"] for c in chunks))
+    assert ctx.aborted == [(ctx.submitted[0].request_id,)]
 
 
 def test_the_installed_uvicorn_is_one_the_fast_path_supports():
