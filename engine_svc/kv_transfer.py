@@ -20,16 +20,17 @@ Byte stores (Redis, a file in /dev/shm) hold one value per request::
              pool's dtype, little-endian -- only the request's tokens, no block padding
 
 CRC-32 rather than a cryptographic hash: it guards against corruption and truncation, not an
-attacker (who could write any key), and runs at several GB/s where SHA-256 costs ~4x more.
+attacker (who could write any key), and runs at several GB/s, ~3x SHA-256 here.
 
-How NIXL or NCCL slot in: they subclass :class:`KVConnector` directly, not ``ByteStoreConnector``.
-At construction they register the pool tensors with the transfer agent (NIXL's
-``register_memory`` over the same ``kv_caches`` list); ``save`` keeps the blocks pinned and
-returns a handle naming (agent, block ids, layout) instead of copying bytes -- the engine then frees
-the blocks only when a done-notification arrives; ``load`` reads the remote blocks straight into
-the local ones (a NIXL READ, or an NCCL send/recv pair per layer over a communicator the two
-engines opened) and checks the same :class:`KVLayout`. The engine code calling
-save/load/delete does not change.
+How NIXL or NCCL slot in: they subclass :class:`KVConnector` directly, not ``ByteStoreConnector``
+(no bytes on the host). At construction they register the pool tensors with the transfer agent
+(NIXL's ``register_memory`` over the same ``kv_caches`` list); ``save`` returns a handle naming
+(agent, block ids, layout) instead of copying; ``load`` reads the remote blocks straight into the
+local ones (a NIXL READ, or an NCCL send/recv pair per layer over a communicator the two engines
+opened) and checks the same :class:`KVLayout`. The calls stay save/load/delete; the one change
+for the engine is when the prefill side may free the blocks: a byte store is done when ``save``
+returns, a NIXL-style connector only when the decode side's done-notification arrives (vLLM's
+``get_finished``), so the engine would hold them until then.
 
 Only this module (the Redis connector) may import redis; the rest of the engine never does.
 """
@@ -54,7 +55,6 @@ MAGIC, VERSION = b"PSKV", 1
 _PREAMBLE = struct.Struct("<4sBI")  # magic, version, header length
 _MAX_HEADER = 4096
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_LAYOUT_FIELDS = ("model_id", "num_layers", "dtype", "block_size", "num_kv_heads", "head_dim")
 
 
 class KVTransferError(Exception):
@@ -191,6 +191,8 @@ def decode_entry(value, layout: KVLayout, num_tokens: int | None) -> tuple[dict,
     tokens = header.get("num_tokens")
     if type(tokens) is not int or tokens <= 0 or len(payload) != layout.payload_bytes(tokens):
         raise KVTransferError("corrupt", f"KV payload of {len(payload)} bytes does not hold {tokens!r} tokens")
+    if type(header.get("expires_at")) is not float:
+        raise KVTransferError("corrupt", "KV entry header names no lease (expires_at)")
     if header.get("crc32") != zlib.crc32(payload):
         raise KVTransferError("corrupt", "KV payload fails its checksum")
     return header, payload
@@ -246,7 +248,7 @@ class ByteStoreConnector(KVConnector):
         try:
             value = self._take(_check_handle(handle))
             header, payload = decode_entry(value, self.layout, num_tokens)
-            late = time.time() - header.get("expires_at", 0)
+            late = time.time() - header["expires_at"]
             if self._checks_expiry and late > 0:
                 raise KVTransferError("expired", f"KV entry {handle!r} is past its lease (by {late:.1f} s)")
         except KVTransferError as exc:
@@ -328,7 +330,10 @@ class RedisKVConnector(ByteStoreConnector):
         return value
 
     def _drop(self, handle: str) -> None:
-        self.client.delete(self.key(handle))
+        try:
+            self.client.delete(self.key(handle))
+        except redis.RedisError as exc:
+            raise KVTransferError("unavailable", f"cannot delete KV in Redis: {exc}") from exc
 
 
 class ShmKVConnector(ByteStoreConnector):
@@ -355,7 +360,7 @@ class ShmKVConnector(ByteStoreConnector):
         final = self.path(handle)
         tmp = f"{final}.tmp{os.getpid()}"
         try:
-            with open(tmp, "wb", buffering=0) as f:
+            with open(tmp, "wb", buffering=0, opener=_private) as f:
                 for part in (head, payload):
                     _write_all(f, part)
             os.replace(tmp, final)
@@ -368,7 +373,9 @@ class ShmKVConnector(ByteStoreConnector):
             with open(self.path(handle), "rb", buffering=0) as f:
                 os.unlink(self.path(handle))  # consumed: gone whatever the checks below find
                 value = bytearray(os.fstat(f.fileno()).st_size)
-                f.readinto(value)
+                view = memoryview(value)
+                while view:
+                    view = view[f.readinto(view) or len(view):]  # 0 at an early end: the checksum catches it
         except FileNotFoundError:
             raise KVTransferError("missing", f"no KV entry for {handle!r} in {self.directory} (never saved, "
                                              "swept after its lease, or already loaded)") from None
@@ -408,6 +415,10 @@ def _expires_at(head: bytes) -> float:
         return float(header["expires_at"])
     except Exception:  # noqa: BLE001 - anything unreadable is garbage to sweep
         return 0.0
+
+
+def _private(path: str, flags: int) -> int:
+    return os.open(path, flags, 0o600)  # KV says much about a prompt: only this user's engines read it
 
 
 def _write_all(f, data) -> None:

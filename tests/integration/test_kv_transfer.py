@@ -174,6 +174,8 @@ def test_redis_down_is_unavailable_and_a_fallback():
         conn.save("r", [1, 2], 5)
     assert err.value.reason == "unavailable"
     _fails(conn, "r", [1, 2], 5, "unavailable", "cannot read KV from Redis")
+    with pytest.raises(KVTransferError, match="cannot delete KV in Redis"):
+        conn.delete("r")
     assert conn.stats.fallback_reasons == {"unavailable": 1} and conn.stats.num_saved == 0
 
 

@@ -118,6 +118,20 @@ def test_a_damaged_entry_is_corrupt(damage, reason, match):
     assert err.value.reason == reason
 
 
+def test_a_header_with_a_lease_that_is_not_a_time_is_corrupt():
+    import msgpack
+
+    layout, value = _entry(make_pool())
+    head_len = int.from_bytes(value[5:9], "little")
+    header = msgpack.unpackb(bytes(value[9:9 + head_len]))
+    header["expires_at"] = "tomorrow"
+    packed = msgpack.packb(header)
+    forged = b"PSKV\x01" + len(packed).to_bytes(4, "little") + packed + value[9 + head_len:]
+    with pytest.raises(KVTransferError, match=r"names no lease \(expires_at\)") as err:
+        decode_entry(forged, layout, 5)
+    assert err.value.reason == "corrupt"
+
+
 def test_an_entry_for_other_tokens_or_layout_is_a_mismatch():
     layout, value = _entry(make_pool())
     with pytest.raises(KVTransferError, match="num_tokens 5 .expected 6.") as err:
@@ -135,6 +149,7 @@ def test_shm_sweep_removes_entries_past_their_lease_and_abandoned_writes(tmp_pat
     long = ShmKVConnector(pool, "m", prefix="sw", ttl_s=60, directory=str(tmp_path))
     short.save("old", [1, 2], 5)
     long.save("fresh", [1, 2], 5)
+    assert os.stat(long.path("fresh")).st_mode & 0o777 == 0o600  # only this user's engines read KV
     abandoned = tmp_path / "sw-kv-0123.tmp999"
     abandoned.write_bytes(b"half")
     os.utime(abandoned, (time.time() - 120, time.time() - 120))
