@@ -141,11 +141,14 @@ class DetokProcessor:
                 + self._give_up([r for r, q in self.requests.items() if now - q.last_seen > max_idle_s],
                                 "the engine stopped answering for this request"))
 
-    def fail_engines(self, dead: set[str]) -> list[tuple[str, Message]]:
-        """The requests of ``dead`` engines (their heartbeat went stale or was removed): each
-        resumable one goes back to its gateway to be resubmitted (failover); the others (n > 1
-        with outputs under way) fail with a 503 now rather than after the idle timeout."""
+    def fail_engines(self, dead: set[str], can_resume: bool = False) -> list[tuple[str, Message]]:
+        """The requests of ``dead`` engines (their heartbeat went stale or was removed). While
+        another engine may be alive (``can_resume``), each resumable one goes back to its gateway
+        to be resubmitted (failover); the others fail with a 503 now rather than after the idle
+        timeout."""
         orphans = [r for r, q in self.requests.items() if q.engine_id in dead]
+        if not can_resume:
+            return self._give_up(orphans, "the engine serving this request stopped")
         out = self._give_up([r for r in orphans if not self.requests[r].is_resumable],
                             "the engine serving this request stopped (a request with n > 1 cannot be resumed)")
         now = time.monotonic()

@@ -126,7 +126,7 @@ class DetokService:
         except redis.RedisError:
             self.heartbeat.failed()
             return []  # cannot tell: fail nobody
-        out = self.processor.fail_engines(self._dead_engines(raw))
+        out = self.processor.fail_engines(dead := self._dead_engines(raw), can_resume=bool(self._seen_engines - dead))
         self._gone_streams = self._gone_gateways(raw)
         for request_id, request in list(self.processor.requests.items()):
             if request.reply_to in self._gone_streams:  # an Abort to its engine; its reply is filtered out

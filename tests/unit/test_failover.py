@@ -125,9 +125,9 @@ def text_of(outs):
 def test_a_dead_engines_request_is_resumed_and_goes_on_without_duplicate_text(shard, detok_tokenizer):
     ids = detok_tokenizer.encode(" one two three four five six seven")
     first = shard.feed(admission(), delta(0, ids[:2]), delta(1, ids[2:4]))
-    out = shard.processor.fail_engines({"e0"})
+    out = shard.processor.fail_engines({"e0"}, can_resume=True)
     assert out == [(GATEWAY, Resume(request_id="r", token_ids=tuple(ids[:4]), next_seq=2, engine_id="e0"))]
-    assert shard.processor.fail_engines({"e0"}) == []  # resumed once per death, not at every check
+    assert shard.processor.fail_engines({"e0"}, can_resume=True) == []  # once per death, not at every check
     # a late delta of the dead engine (written before it died) is dropped: the survivor regenerates it
     assert shard.feed(delta(2, ids[4:5])) == []
     rest = shard.feed(admission(engine_id="e1"), delta(2, ids[4:6]), delta(3, ids[6:], finish=FinishReason.LENGTH))
@@ -142,11 +142,11 @@ def test_a_dead_engines_request_is_resumed_and_goes_on_without_duplicate_text(sh
 def test_a_request_resumed_twice_and_one_with_nothing_delivered(shard, detok_tokenizer):
     ids = detok_tokenizer.encode(" alpha beta gamma delta")
     shard.feed(admission(), delta(0, ids[:1]), admission("q", n=3))  # q: three choices, nothing yet
-    out = dict((m.request_id, m) for _, m in shard.processor.fail_engines({"e0"}))
+    out = dict((m.request_id, m) for _, m in shard.processor.fail_engines({"e0"}, can_resume=True))
     assert out["r"] == Resume(request_id="r", token_ids=tuple(ids[:1]), next_seq=1, engine_id="e0")
     assert out["q"] == Resume(request_id="q", token_ids=(), next_seq=0, engine_id="e0")  # a plain restart
     shard.feed(admission(engine_id="e1"), delta(1, ids[1:2]), admission("q", engine_id="e1", n=3))
-    out = shard.processor.fail_engines({"e0", "e1"})
+    out = shard.processor.fail_engines({"e0", "e1"}, can_resume=True)
     assert sorted(m.request_id for _, m in out) == ["q", "r"]
     assert next(m for _, m in out if m.request_id == "r").token_ids == tuple(ids[:2])
     rest = shard.feed(admission(engine_id="e2"), delta(2, ids[2:], finish=FinishReason.STOP),
@@ -159,15 +159,18 @@ def test_a_request_resumed_twice_and_one_with_nothing_delivered(shard, detok_tok
 def test_what_cannot_be_resumed_fails_with_a_503(shard, detok_tokenizer):
     ids = detok_tokenizer.encode(" x y z")
     shard.feed(admission(n=2), delta(0, ids[:1], index=1, n=2))  # n = 2, one choice under way
-    (reply_to, out), = shard.processor.fail_engines({"e0"})
+    (reply_to, out), = shard.processor.fail_engines({"e0"}, can_resume=True)
     assert reply_to == GATEWAY and out.error.code == 503 and "n > 1" in out.error.message
+    shard.feed(admission("s"), delta(0, ids[:1], rid="s"))  # resumable, but no engine is left to take it
+    (reply_to, out), = shard.processor.fail_engines({"e0"})
+    assert reply_to == GATEWAY and out.request_id == "s" and out.error.code == 503
     assert not shard.processor.requests and not shard.processor.holders
 
 
 def test_a_resume_nobody_takes_up_is_given_up_and_a_late_admission_aborted(shard, detok_tokenizer, monkeypatch):
     ids = detok_tokenizer.encode(" a b c")
     shard.feed(admission(), delta(0, ids[:1]))
-    assert isinstance(shard.processor.fail_engines({"e0"})[0][1], Resume)
+    assert isinstance(shard.processor.fail_engines({"e0"}, can_resume=True)[0][1], Resume)
     assert shard.processor.expire(600.0) == []  # still within the resume timeout
     later = shard.processor.requests["r"].resumed_at + RESUME_TIMEOUT_S + 1
     monkeypatch.setattr("detok_svc.processor.time.monotonic", lambda: later)
