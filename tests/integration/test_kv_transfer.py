@@ -190,3 +190,32 @@ def test_connector_settings_are_checked(redis_url, prefix):
         make_connector(KVTransferConfig(), make_pool(), "smollm")
     with pytest.raises(ValueError, match="redis or shm"):
         make_connector(KVTransferConfig(connector="nixl"), make_pool(), "smollm")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_decode_engine_continues_from_loaded_kv_as_the_prefill_engine_would(store, tiny_llama_dir, dtype):
+    """Two ModelRunners of one model: the decode runner's next-token logits over the KV it loaded
+    equal the prefill runner's over its own, bit for bit (a partial block included), and differ
+    without the load -- so gather and scatter match what the attention reads."""
+    from engine_svc.config import EngineConfig
+    from engine_svc.model_runner import ModelRunner
+    from engine_svc.scheduler_output import ScheduledChunk, SchedulerOutput
+
+    config = EngineConfig(model=str(tiny_llama_dir), dtype=dtype, block_size=4, num_gpu_blocks_override=12,
+                          enforce_eager=True)
+    prefill, decode = ModelRunner(config, str(tiny_llama_dir)), ModelRunner(config, str(tiny_llama_dir))
+    prompt, next_token = [5, 81, 300, 17, 9, 44, 123, 7, 250, 31], 77  # 10 tokens: 4 + 4 + 2
+    p_table, d_table = (3, 5, 2), (7, 1, 4)
+
+    def step(runner, table, token_ids, start):
+        chunk = ScheduledChunk("r", token_ids, start, table, True)
+        return runner.execute(SchedulerOutput(chunks=[chunk]))
+
+    step(prefill, p_table, prompt, 0)
+    saver, loader = store.connector(prefill.kv_caches, "tiny"), store.connector(decode.kv_caches, "tiny")
+    without_kv = step(decode, d_table, [next_token], len(prompt))  # attends over an empty (zero) prefix
+    loader.load(saver.save("r", p_table, len(prompt)), d_table, len(prompt))
+    want = step(prefill, p_table, [next_token], len(prompt))
+    got = step(decode, d_table, [next_token], len(prompt))
+    assert torch.equal(got, want)
+    assert not torch.equal(without_kv, want)
