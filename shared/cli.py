@@ -9,44 +9,81 @@ for scheduling: Linux's autogroups give every session an equal share of the CPU 
 waking task preempt only within its group, so the engine's SCHED_IDLE (``--engine-sched idle``,
 the default) yields the CPU at once to the bus services only when they share its session.
 A child's settings are its typed config written back as its command line (``shared.flags``).
+
+`serve` supervises (``Supervisor``): a child that dies is restarted after a backoff
+(``shared.lifecycle.RestartTracker``); the stack stops only on SIGINT/SIGTERM, or when a child
+dies ``--max-start-failures`` times in a row before it is healthy (its own heartbeat, once the
+stack answered /health), with a message naming it, its exit status and its last stderr lines.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import redis
 
 from shared import flags
-from shared.bus_auth import generate_secret, secure_serve, url_with_credentials
-from shared.config import ServeConfig
-from shared.lifecycle import wait_http
+from shared.config import RestartConfig, ServeConfig
+from shared.heartbeat import read_heartbeats
+from shared.lifecycle import RestartTracker, wait_http
 from shared.models import resolve_model
 from shared.placement import bus_cpus, pin
-from shared.redis_server import RedisAcl, RedisServer, die_with_parent
+from shared.protocol import GROUP_ENGINE, StreamNames
+from shared.redis_server import RedisServer, die_with_parent
 
 MODULES = {"gateway": "gateway", "tokenizer": "tokenizer_svc", "engine": "engine_svc", "detok": "detok_svc"}
 STOP_ORDER = ("gateway", "tokenizer", "engine", "detok")  # stop intake first, output last
+STDERR_TAIL_LINES = 20  # of a child's stderr, kept for the message when it cannot start
 
 
 @dataclass
 class Child:
-    """One service process of the stack."""
+    """One service process of the stack, restarted by the Supervisor: each start is an incarnation.
+    Its stderr passes through this process, which keeps the last lines for a post-mortem."""
 
     name: str
-    argv: list[str]
+    command: str  # gateway | tokenizer | engine | detok
+    config: object  # the typed config its command line carries (shared.flags.to_argv)
     proc: subprocess.Popen | None = None
     nice: int = 0  # added to the niceness before the child starts (every thread it makes inherits it)
     sched_idle: bool = False  # SCHED_IDLE: a task of this session that wakes up takes the CPU from it at once
     cpus: set[int] | None = None  # pinned to these CPUs (shared/placement.py); None: any
-    config: object | None = None  # the typed config its command line carries (shared.flags.to_argv)
+    # a new service id per incarnation: an engine's requests are tied to its id (Admission.engine_id),
+    # and a restarted engine under the old id would hide the death from the detokenizers
+    fresh_identity: bool = False
+    first_id: str = ""
+    num_starts: int = 0
+    stderr_tail: deque = field(default_factory=lambda: deque(maxlen=STDERR_TAIL_LINES))
+    _pump: threading.Thread | None = None
+
+    def renew_identity(self) -> tuple[str, str]:
+        """Before a restart: the next service id (``engine-0-r1``, ...); returns (old id, new id)."""
+        old = self.config.service_id
+        self.first_id = self.first_id or old
+        self.config = flags.fill(self.config, {"service_id": f"{self.first_id}-r{self.num_starts}"})
+        return old, self.config.service_id
+
+    @property
+    def argv(self) -> list[str]:
+        return [MODULES[self.command], *flags.to_argv(self.command, self.config)]
 
     def start(self, env: dict[str, str]) -> None:
+        self.num_starts += 1
+        self.stderr_tail = deque(maxlen=STDERR_TAIL_LINES)
         self.proc = subprocess.Popen([sys.executable, "-m", *self.argv], env=env, process_group=0,
-                                     preexec_fn=self._prepare)
+                                     stderr=subprocess.PIPE, preexec_fn=self._prepare)
+        self._pump = threading.Thread(target=_pump, args=(self.proc.stderr, self.stderr_tail), daemon=True,
+                                      name=f"stderr-{self.name}")
+        self._pump.start()
 
     def _prepare(self) -> None:  # in the child, after setpgid, before exec
         die_with_parent()
@@ -60,6 +97,22 @@ class Child:
     def is_alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def reap(self) -> int | None:
+        """The exit status when the child has just died (None while it runs, or when already
+        reaped). What it started is killed first: its zombie still holds the process group's id."""
+        if self.proc is None or self.proc.returncode is not None:
+            return None
+        try:
+            if os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                return None
+        except ChildProcessError:
+            pass
+        self.signal(signal.SIGKILL)
+        code = self.proc.wait()
+        if self._pump is not None:
+            self._pump.join(timeout=2)  # the last lines it wrote, before anyone reads the tail
+        return code
+
     def signal(self, sig: int) -> None:
         """Signal the child's whole process group (what it started dies with it)."""
         if self.proc is None or self.proc.returncode is not None:
@@ -69,10 +122,35 @@ class Child:
         except (ProcessLookupError, PermissionError):
             pass
 
+    def tail(self) -> str:
+        return b"".join(self.stderr_tail).decode(errors="replace").rstrip()
+
+
+def _pump(stream, tail: deque) -> None:
+    """Copy a child's stderr to ours line by line, keeping the last lines in ``tail``."""
+    out = sys.stderr.buffer
+    for line in iter(stream.readline, b""):
+        tail.append(line)
+        try:
+            out.write(line)
+            out.flush()
+        except (OSError, ValueError):
+            pass
+    stream.close()
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
 
 def _child(name: str, command: str, config, **kw) -> Child:
     """A child that starts as ``python -m <module> <its config as flags>``."""
-    return Child(name, [MODULES[command], *flags.to_argv(command, config)], config=config, **kw)
+    return Child(name, command, config, **kw)
 
 
 def build_children(config: ServeConfig, redis_url: str, model: str) -> list[Child]:
@@ -89,40 +167,149 @@ def build_children(config: ServeConfig, redis_url: str, model: str) -> list[Chil
                        cpus=cpus.get(f"gateway-{i}")) for i in range(config.num_gateways)]
     children += [_child(f"tokenizer-{i}", "tokenizer", own("tokenizer", service_id=f"tokenizer-{i}"),
                         cpus=cpus.get("tokenizer")) for i in range(config.num_tokenizers)]
-    children.append(_child("engine", "engine", own("engine", service_id="engine-0"),
+    children.append(_child("engine", "engine", own("engine", service_id="engine-0"), fresh_identity=True,
                            nice=config.engine_nice, sched_idle=config.engine_sched == "idle"))
     children += [_child(f"detok-{k}", "detok", own("detok", shard=k, service_id=f"detok-{k}"),
                         cpus=cpus.get(f"detok-{k}")) for k in range(config.num_detokenizers)]
     return children
 
 
-class Supervisor:
-    """Owns the children of `serve`: starts them, watches them, stops them all (no orphans)."""
+class BusView:
+    """What the supervisor reads and repairs on the bus, for children it knows to be dead: which
+    of this host's pids beat (a child is healthy once its own beat is there), the beats of dead
+    incarnations (removed once a successor beats: `pagedserve status` and the detokenizers then
+    see them gone), and the entries a dead engine had read but not acknowledged (handed to its
+    successor at once, instead of waiting for a consumer group's idle claim). Redis trouble
+    changes nothing: a child is then not yet marked healthy, entries wait for the idle claim."""
 
-    def __init__(self, children: list[Child]):
+    def __init__(self, redis_url: str, names: StreamNames):
+        self.client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+        self.names = names
+        self.host = socket.gethostname()
+
+    def pids(self) -> dict[int, str]:
+        """pid -> service id of every heartbeat written from this host."""
+        try:
+            beats = read_heartbeats(self.client, self.names.heartbeat)
+        except redis.RedisError:
+            return {}
+        return {b.pid: service_id for service_id, b in beats.items() if b.host == self.host}
+
+    def remove_beats(self, service_ids: list[str]) -> None:
+        try:
+            self.client.hdel(self.names.heartbeat, *service_ids)
+        except redis.RedisError:
+            pass
+
+    def hand_over(self, dead: str, successor: str) -> int:
+        """Move the dead engine consumer's pending entries to its successor (which reads its own
+        pending entries first) and forget the dead consumer; how many moved."""
+        stream = self.names.engine_in
+        try:
+            pending = self.client.xpending_range(stream, GROUP_ENGINE, "-", "+", 100_000, consumername=dead)
+            ids = [p["message_id"] for p in pending]
+            if ids:
+                self.client.xclaim(stream, GROUP_ENGINE, successor, 0, ids, justid=True)
+            self.client.xgroup_delconsumer(stream, GROUP_ENGINE, dead)
+            return len(ids)
+        except redis.RedisError:
+            return 0
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class Supervisor:
+    """Owns the children of `serve`: starts them, restarts the ones that die (RestartTracker's
+    backoff), and stops them all when asked or when one keeps failing at start-up (no orphans)."""
+
+    def __init__(self, children: list[Child], restart: RestartConfig, bus: BusView | None = None):
         self.children = children
+        self.trackers = {c.name: RestartTracker(restart) for c in children}
+        self.bus = bus
+        self.restart_at: dict[str, float] = {}  # dead child -> when it starts again
+        self.dead_pids: dict[int, str] = {}  # pid of a dead incarnation -> its child's name
+        self.is_ready = False  # the stack has answered /health once
         self.stopping = False
+        self.env: dict[str, str] = {}
 
     def start(self, env: dict[str, str]) -> None:
+        self.env = env
         for child in self.children:
-            child.start(env)
+            self._start(child)
+
+    def _start(self, child: Child) -> None:
+        if child.fresh_identity and child.num_starts:
+            dead, successor = child.renew_identity()
+            moved = self.bus.hand_over(dead, successor) if self.bus is not None else 0
+            if moved:
+                print(f"pagedserve: {moved} requests {dead} had read but not admitted go to {successor}",
+                      file=sys.stderr)
+        child.start(self.env)
+        self.trackers[child.name].started(time.monotonic())
 
     def on_signal(self, signum, _frame) -> None:
         self.stopping = True
 
-    def dead_child(self) -> Child | None:
-        return next((c for c in self.children if not c.is_alive), None)
-
-    def wait_healthy(self, url: str, timeout_s: float) -> bool:
-        return wait_http(url, timeout_s, lambda: not self.stopping and self.dead_child() is None)
-
-    def watch(self) -> Child | None:
+    def run(self, health_url: str, startup_timeout_s: float, on_ready: Callable[[], None]) -> int:
+        """Watch the children until told to stop (0) or one keeps failing at start-up, or the stack
+        is not healthy within ``startup_timeout_s`` (1)."""
+        deadline = time.monotonic() + startup_timeout_s
+        next_beat_check = 0.0
         while not self.stopping:
-            dead = self.dead_child()
-            if dead is not None:
-                return dead
+            now = time.monotonic()
+            for child in self.children:
+                code = child.reap()
+                if code is not None and not self._died(child, code, now):
+                    return 1
+            for name, when in list(self.restart_at.items()):
+                if when <= now and not self.stopping:
+                    del self.restart_at[name]
+                    self._start(next(c for c in self.children if c.name == name))
+            if not self.is_ready:
+                if wait_http(health_url, 0.5, lambda: not self.stopping):
+                    self.is_ready = True
+                    on_ready()
+                elif now > deadline:
+                    print(f"pagedserve: /health did not answer 200 within {startup_timeout_s:g} s", file=sys.stderr)
+                    return 1
+            if self.is_ready and now >= next_beat_check:
+                next_beat_check = now + 1.0
+                self._mark_healthy()
             time.sleep(0.25)
-        return None
+        return 0
+
+    def _died(self, child: Child, code: int, now: float) -> bool:
+        """Schedule the restart of a child that died; False when it keeps failing at start-up."""
+        tracker = self.trackers[child.name]
+        uptime = now - tracker.started_at
+        delay = tracker.exited(now)
+        if delay is None:
+            print(f"pagedserve: {child.name} failed {tracker.num_start_failures} times in a row before it was "
+                  f"healthy (last: {describe_exit(code)} after {uptime:.1f} s); stopping", file=sys.stderr)
+            tail = child.tail()
+            if tail:
+                print(f"pagedserve: the last lines {child.name} wrote to stderr:\n{tail}", file=sys.stderr)
+            return False
+        self.dead_pids[child.proc.pid] = child.name
+        self.restart_at[child.name] = now + delay
+        print(f"pagedserve: {child.name} {describe_exit(code)} after {uptime:.1f} s; restarting it in "
+              f"{delay:.1f} s", file=sys.stderr, flush=True)
+        return True
+
+    def _mark_healthy(self) -> None:
+        """A child whose own heartbeat is there is healthy; its dead predecessors' beats go."""
+        if self.bus is None:
+            return
+        beating = self.bus.pids()
+        for child in self.children:
+            tracker = self.trackers[child.name]
+            if not tracker.is_healthy and child.is_alive and child.proc.pid in beating:
+                tracker.healthy()
+                stale = [beating[pid] for pid, name in self.dead_pids.items() if name == child.name and pid in beating]
+                if stale:
+                    self.bus.remove_beats(stale)
+                self.dead_pids = {pid: name for pid, name in self.dead_pids.items() if name != child.name}
 
     def stop(self, grace_s: float = 10.0) -> None:
         for kind in STOP_ORDER:
@@ -131,7 +318,7 @@ class Supervisor:
                     child.signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for child in self.children:
-            if child.proc is None:
+            if child.proc is None or child.proc.returncode is not None:
                 continue
             try:
                 child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -147,35 +334,27 @@ def serve(argv: list[str]) -> int:
     redis_server = None
     if config.redis_url is None:
         cpus = bus_cpus(config.bus_cpus, config.num_gateways, config.num_detokenizers)
-        acl = RedisAcl.generate(config.gateway.bus.prefix, config.gateway.bus.redis_password or generate_secret())
-        redis_server = RedisServer(cpus=cpus.get("redis"), acl=acl).start()
-    # the bus secret and each role's Redis user (README: Security); the URL on the children's
-    # command lines carries no credentials
-    config, redis_url = secure_serve(config, config.redis_url or redis_server.address,
-                                     redis_server.acl if redis_server else None)
+        redis_server = RedisServer(cpus=cpus.get("redis")).start()
+    redis_url = config.redis_url or redis_server.url
     # secrets through the environment, not visible in `ps`
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **flags.to_env("gateway", config.gateway)}
-    supervisor = Supervisor(build_children(config, redis_url, model))
+    children = build_children(config, redis_url, model)
+    view = BusView(redis_url, config.gateway.bus.names)
+    supervisor = Supervisor(children, config.restart, view)
     signal.signal(signal.SIGINT, supervisor.on_signal)
     signal.signal(signal.SIGTERM, supervisor.on_signal)
     host, port = config.gateway.host, config.gateway.port
     host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+    def ready() -> None:
+        print(f"pagedserve: serving {model} at http://{host}:{port}/v1 (redis {redis_url})", flush=True)
+
     try:
         supervisor.start(env)
-        if supervisor.wait_healthy(f"http://{host}:{port}/health", config.startup_timeout_s):
-            print(f"pagedserve: serving {model} at http://{host}:{port}/v1 (redis {redis_url})", flush=True)
-            dead = supervisor.watch()
-        else:
-            dead = supervisor.dead_child()
-            if dead is None and not supervisor.stopping:
-                print("pagedserve: /health did not answer 200 in time", file=sys.stderr)
-                return 1
-        if dead is not None:
-            print(f"pagedserve: {dead.name} exited with {dead.proc.returncode}; stopping", file=sys.stderr)
-            return 1
-        return 0
+        return supervisor.run(f"http://{host}:{port}/health", config.startup_timeout_s, ready)
     finally:
         supervisor.stop()
+        view.close()
         if redis_server is not None:
             redis_server.stop()
 
