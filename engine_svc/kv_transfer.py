@@ -173,7 +173,8 @@ def decode_entry(value, layout: KVLayout, num_tokens: int | None) -> tuple[dict,
         raise KVTransferError("corrupt", f"KV entry of {len(view)} bytes is truncated")
     magic, version, head_len = _PREAMBLE.unpack_from(view)
     if magic != MAGIC or version != VERSION or head_len > min(_MAX_HEADER, len(view) - _PREAMBLE.size):
-        raise KVTransferError("corrupt", f"not a version-{VERSION} KV entry (magic {bytes(magic)!r}, version {version})")
+        raise KVTransferError("corrupt", f"not a version-{VERSION} KV entry (magic {bytes(magic)!r}, "
+                                         f"version {version})")
     try:
         header = msgpack.unpackb(view[_PREAMBLE.size:_PREAMBLE.size + head_len], raw=False, max_map_len=16,
                                  max_str_len=1024, max_bin_len=0, max_array_len=0)
