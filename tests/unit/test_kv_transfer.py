@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from engine_svc import kv_transfer
 from engine_svc.kv_transfer import (KVLayout, KVTransferError, KVTransferStats, ShmKVConnector, decode_entry,
                                     encode_head, gather_kv, scatter_kv, token_slots)
 
@@ -179,4 +180,18 @@ def test_stats_count_exactly_what_moved(tmp_path):
     assert loader.stats.fallback_reasons == {"missing": 1, "mismatch": 1}
     assert saver.stats.save_seconds > 0 and loader.stats.load_seconds > 0
     assert KVTransferStats().as_dict()["fallback_reasons"] == {}
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("staging_max", [1 << 20, 0], ids=["staged", "unstaged"])
+def test_entries_round_trip_with_and_without_the_staging_buffer(tmp_path, monkeypatch, staging_max):
+    monkeypatch.setattr(kv_transfer, "STAGING_MAX_BYTES", staging_max)
+    src, dst = make_pool(seed=1), make_pool(seed=2)
+    saver = ShmKVConnector(src, "m", prefix="sg", directory=str(tmp_path))
+    loader = ShmKVConnector(dst, "m", prefix="sg", directory=str(tmp_path))
+    for i, (table, n) in enumerate([([1, 2, 3], 9), ([4], 2), ([5, 6, 7, 8], 16)]):
+        loader.load(saver.save(f"r{i}", table, n), [11, 10, 9, 8][:len(table)], n)
+        assert torch.equal(bits(gather_kv(dst, [11, 10, 9, 8][:len(table)], n)), bits(gather_kv(src, table, n)))
+    largest = 2 * 3 * 16 * 2 * 8 * 4
+    assert saver._staging.numel() == (largest if staging_max else 0)  # grown to the largest entry, then reused
     assert list(tmp_path.iterdir()) == []
