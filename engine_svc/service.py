@@ -29,7 +29,7 @@ from shared.config import EngineServiceConfig
 from shared.logs import StatusLine, configure_logging
 from shared.models import served_model_name
 from shared.protocol import (GROUP_ENGINE, Abort, EngineRequest, ErrorInfo, FinishReason, Message, ProtocolError,
-                             RequestOutput, TokenDelta, detok_shard)
+                             RequestOutput, TokenDelta, detok_shard, is_expired)
 from shared.heartbeat import HeartbeatWriter
 from shared.lifecycle import run_until_signalled
 from shared.group_reader import GroupReader
@@ -161,7 +161,9 @@ class EngineService:
         rid = req.request_id
         if rid in self.finished or self.engine.has_request(rid):
             return []  # a re-delivery: already admitted
-        if rid in self.aborted:  # its client left before it got here: close it, admit nothing
+        # its client left before it got here: close it, admit nothing (past its deadline as well:
+        # then add_request refuses it, and counts it as expired)
+        if rid in self.aborted and not is_expired(req.deadline, time.time()):
             self.finished.add(rid)
             return [(req.reply_to, RequestOutput(request_id=rid, finish_reason=FinishReason.ABORT,
                                                  num_choices=req.sampling.n))]

@@ -1,0 +1,137 @@
+"""Deadlines end to end: work whose client was answered at its deadline is computed by nobody.
+
+The engine (or the tokenizer) is frozen with SIGSTOP while requests with a 2 s request_timeout
+arrive; every client gets its 503 at the deadline from the gateway; then the frozen service
+resumes and finds the requests on its stream. The engine's own counters (its /metrics) show that
+it computed none of them -- no prompt or generation token counted, each one refused at admission
+and counted as expired -- and the stack is idle afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.conftest import TINY_ENGINE_ARGS, TINY_MAX_MODEL_LEN, openai_client
+from tests.e2e.stack import Stack
+
+NUM_REQUESTS = 8
+TIMEOUT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def deadline_stack(redis_url, tiny_llama_dir, tmp_path_factory):
+    stack = Stack(redis_url, tiny_llama_dir, tmp_path_factory.mktemp("deadline-logs"), num_tokenizers=1,
+                  max_model_len=TINY_MAX_MODEL_LEN, engine_args=TINY_ENGINE_ARGS)
+    stack.start()
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture
+def stack(deadline_stack):
+    yield deadline_stack
+    deadline_stack.assert_idle(timeout_s=15)
+
+
+def engine_counters(stack: Stack) -> dict[str, float]:
+    """The engine's counters from its own /metrics: name (phase label appended) -> value."""
+    text = httpx.get(stack.engine_metrics_url, timeout=5).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                name = sample.name.removeprefix("pagedserve:")
+                out[f"{name}:{sample.labels['phase']}" if "phase" in sample.labels else name] = sample.value
+    return out
+
+
+async def _expire_all(stack: Stack, frozen) -> list[tuple[BaseException | None, float]]:
+    """NUM_REQUESTS requests (half streamed) while ``frozen`` is stopped; each one's error and when it came."""
+    async with openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="x", max_retries=0, timeout=60) as client:
+        await client.models.list()  # a warm connection
+
+        async def one(i: int):
+            started = time.monotonic()
+            try:
+                if i % 2:
+                    stream = await client.completions.create(
+                        model="tiny", prompt=f"Late {i}:", max_tokens=8, stream=True,
+                        extra_body={"request_timeout": TIMEOUT_S, "ignore_eos": True})
+                    async for _ in stream:
+                        pass
+                else:
+                    await client.chat.completions.create(
+                        model="tiny", messages=[{"role": "user", "content": f"Late {i}"}], max_tokens=8,
+                        extra_body={"request_timeout": TIMEOUT_S})
+            except openai.APIError as exc:
+                return exc, time.monotonic() - started
+            return None, time.monotonic() - started
+
+        for service in frozen:
+            service.signal(signal.SIGSTOP)
+        try:
+            return await asyncio.gather(*[one(i) for i in range(NUM_REQUESTS)])
+        finally:
+            await asyncio.sleep(1.0)  # past every deadline with a margin, then the service goes on
+            for service in frozen:
+                service.signal(signal.SIGCONT)
+
+
+def _assert_answered_at_the_deadline(results) -> None:
+    for error, seconds in results:
+        assert error is not None and "deadline" in str(error), error
+        assert TIMEOUT_S - 0.05 <= seconds < TIMEOUT_S + 8.0  # slack for a loaded machine
+
+
+def _wait_for(predicate, stack: Stack, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out: {engine_counters(stack)}\n{stack.logs()}"
+        time.sleep(0.2)
+
+
+def test_an_engine_frozen_through_the_deadlines_computes_none_of_those_requests(stack):
+    client = openai_client(stack, timeout=60)
+    assert client.completions.create(model="tiny", prompt="warm", max_tokens=2).usage.completion_tokens == 2
+    before = engine_counters(stack)
+
+    results = asyncio.run(_expire_all(stack, [stack.service("engine")]))
+    _assert_answered_at_the_deadline(results)
+
+    # the resumed engine finds the requests on ps:engine:in and refuses each at admission (it
+    # reads its requests before its ctl stream in a turn, so the gateway's aborts come second)
+    _wait_for(lambda: engine_counters(stack)["num_requests_expired_total:admission"]
+              == before["num_requests_expired_total:admission"] + NUM_REQUESTS, stack)
+    after = engine_counters(stack)
+    for name in ("prompt_tokens_total", "generation_tokens_total", "num_requests_expired_total:waiting",
+                 "num_requests_expired_total:running"):
+        assert after[name] == before[name], name  # nothing of theirs computed
+    # and the engine serves as before
+    assert client.completions.create(model="tiny", prompt="again", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_a_tokenizer_frozen_through_the_deadlines_forwards_none_of_those_requests(stack):
+    before = engine_counters(stack)
+    results = asyncio.run(_expire_all(stack, [stack.service("tokenizer-0")]))
+    _assert_answered_at_the_deadline(results)
+    _wait_for(lambda: not any(stack.pending().values()), stack)  # the tokenizer has read and answered them all
+    time.sleep(1.5)  # what it would have forwarded has reached the engine by now
+    after = engine_counters(stack)
+    for name in ("prompt_tokens_total", "generation_tokens_total", "num_requests_expired_total:admission",
+                 "num_requests_expired_total:waiting", "num_requests_expired_total:running"):
+        assert after[name] == before[name], name  # none reached the engine
+
+
+def test_a_bad_request_timeout_is_a_400_naming_it(stack):
+    client = openai_client(stack)
+    for value in (0, -1, 10_000, "soon"):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"request_timeout": value})
+        assert info.value.body["param"] == "request_timeout"
