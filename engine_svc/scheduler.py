@@ -17,7 +17,7 @@ from engine_svc.request import Request, RequestStatus, make_generator
 from engine_svc.scheduler_output import SampleRow, ScheduledChunk, SamplerOutput, SchedulerOutput, SeqKey
 from shared.protocol import ErrorInfo, FinishReason, ProtocolError, TokenDelta, is_expired
 
-EXPIRED = ErrorInfo(message="the request's deadline passed before it could be served (request_timeout)",
+EXPIRED = ErrorInfo(message="the request passed its deadline (request_timeout) and was dropped by the engine",
                     type="ServiceUnavailableError", code=503)
 
 
