@@ -96,7 +96,10 @@ class EngineConfig:
 class GatewayLimits:
     """Timeouts and size limits of one gateway."""
 
-    idle_timeout_s: float = 600.0  # a request with no reply for this long fails (503) and is aborted
+    # --request-timeout: a request's deadline is its arrival plus this (or the client's shorter
+    # request_timeout); at it the request fails (503) and is aborted. The name is historical: it is
+    # a limit on the whole request, not on silence
+    idle_timeout_s: float = 600.0
     max_body_bytes: int = 16 << 20  # larger bodies answer 413
     max_pending_requests: int = 4096  # more HTTP requests in flight answer 429
     heartbeat_max_age_s: float = 10.0  # /health: an engine heartbeat younger than this
