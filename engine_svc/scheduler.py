@@ -219,6 +219,7 @@ class Scheduler:
             return False
         if request.matcher is None:
             return False
+        request.matcher.accept_many(request.output_token_ids)  # a resumed request's outputs (failover)
         request.status = RequestStatus.WAITING
         return True
 

@@ -180,3 +180,16 @@ def test_a_resume_nobody_takes_up_is_given_up_and_a_late_admission_aborted(shard
     # an engine that admits it after all (the resume raced the finish) is told to stop at once
     assert shard.feed(admission(engine_id="e1")) == [(NAMES.engine_ctl, Abort(request_ids=("r",), reason="finished"))]
     assert not shard.processor.requests and not shard.processor.holders
+
+
+def test_a_resumed_structured_output_request_goes_on_inside_its_grammar(engine):
+    from shared.structured import StructuredOutputs
+
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=40,
+                            structured_outputs=StructuredOutputs(regex=r"(yes|no)(, (red|green|blue)){2,8}\."))
+    whole = run_one(engine, "grammar", PROMPTS[0], params)
+    tokens = [t for d in whole for t in d.new_token_ids]
+    assert whole[-1].finish_reason == FinishReason.STOP and len(tokens) > 6
+    for cut in (1, len(tokens) // 2, len(tokens) - 1):  # the new engine's matcher accepts the outputs first
+        rest = run_one(engine, f"grammar-{cut}", PROMPTS[0], params, tokens[:cut], cut)
+        assert tokens[:cut] + [t for d in rest for t in d.new_token_ids] == tokens, cut
