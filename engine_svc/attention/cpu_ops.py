@@ -8,6 +8,10 @@ torch.ops.pagedserve_cpu.paged_decode / .linear). It is cached under $PAGEDSERVE
 and the compiler's, and renamed into place atomically so concurrent processes never load a
 half-written file. Any failure logs one warning and `paged_decode_op()` / `linear_op()` answer
 None from then on: the callers keep the pure-torch paths. PAGEDSERVE_CPU_KERNELS=0 disables the kernels.
+
+Prebuilt (the Docker image, whose runtime stage has no compiler): ``prebuild(folder)`` compiles one
+library per vector-flag set (``VARIANTS``) into a folder; with PAGEDSERVE_CPU_KERNELS_DIR naming
+it, the library for this CPU's flags is loaded from there and nothing is compiled.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -31,8 +36,12 @@ logger = logging.getLogger("pagedserve.attention")
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_gemv.cpp", "cpu_bitmask.cpp")]
 BASE_FLAGS = ["-std=c++17", "-O3", "-fPIC", "-shared", "-fopenmp", "-fno-trapping-math", "-Wno-unused-parameter"]
 ENV_SWITCH = "PAGEDSERVE_CPU_KERNELS"
+PREBUILT_ENV = "PAGEDSERVE_CPU_KERNELS_DIR"
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 AVX512_BF16 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})
+AVX2_FLAGS = ["-mavx2", "-mfma"]
+AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
+VARIANTS = ([], AVX2_FLAGS, AVX2_FLAGS + AVX512_FLAGS)  # every answer cpu_flags() can give
 
 
 def enabled() -> bool:
@@ -70,7 +79,7 @@ def bitmask_op():
 @functools.cache
 def _load():
     try:
-        library = build()
+        library = prebuilt() or build()
         torch.ops.load_library(str(library))
         # shapes for torch.compile: the ops themselves stay opaque inside a compiled graph
         torch.library.register_fake("pagedserve_cpu::linear")(
@@ -86,9 +95,9 @@ def cpu_flags() -> list[str]:
     x86-64 CPU model (the key below includes these flags). AVX-512 with BF16 enables the kernel's
     in-place bfloat16 dot products."""
     flags = cpu_info.cpu_flags()
-    out = ["-mavx2", "-mfma"] if {"avx2", "fma"} <= flags else []
+    out = list(AVX2_FLAGS) if {"avx2", "fma"} <= flags else []
     if out and AVX512_BF16 <= flags:
-        out += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
+        out += AVX512_FLAGS
     return out
 
 
@@ -97,16 +106,35 @@ def cache_dir() -> Path:
     return Path(root) / "torch_extensions"
 
 
-def build() -> Path:
-    """The path of the compiled library, compiling it when not cached."""
+def prebuilt_name(vector_flags: list[str]) -> str:
+    """The file name of the prebuilt library for these flags (torch's version in it: its ABI)."""
+    return f"pagedserve_cpu-{torch.__version__}-{'-'.join(f[2:] for f in vector_flags) or 'base'}.so"
+
+
+def prebuilt() -> Path | None:
+    """The library for this CPU from $PAGEDSERVE_CPU_KERNELS_DIR, when that folder has it."""
+    folder = os.environ.get(PREBUILT_ENV)
+    path = Path(folder) / prebuilt_name(cpu_flags()) if folder else None
+    return path if path is not None and path.is_file() else None
+
+
+def prebuild(folder: str | Path) -> list[Path]:
+    """Compile every variant into ``folder`` (the image's build stage): the runtime then needs no compiler."""
+    variants = VARIANTS if platform.machine().lower() in ("x86_64", "amd64") else ([],)
+    return [build(flags, Path(folder) / prebuilt_name(flags)) for flags in variants]
+
+
+def build(vector_flags: list[str] | None = None, target: Path | None = None) -> Path:
+    """The path of the compiled library, compiling it when not cached (``target``: there instead
+    of the cache; ``vector_flags``: these instead of this CPU's)."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++/c++) on PATH")
-    command = [compiler, *BASE_FLAGS, *cpu_flags(), *_torch_flags()]
+    command = [compiler, *BASE_FLAGS, *(cpu_flags() if vector_flags is None else vector_flags), *_torch_flags()]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     digest = hashlib.sha256("\0".join([*command, version, torch.__version__]).encode()
                             + b"".join(source.read_bytes() for source in SOURCES))
-    target = cache_dir() / f"pagedserve_cpu_{digest.hexdigest()[:20]}.so"
+    target = target or cache_dir() / f"pagedserve_cpu_{digest.hexdigest()[:20]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -136,4 +164,4 @@ def _torch_libs() -> list[str]:
     return [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-lc10", "-ltorch_cpu", "-ltorch"]
 
 
-__all__ = ["enabled", "paged_decode_op", "decode_kernel_for", "linear_op", "build", "cache_dir"]
+__all__ = ["enabled", "paged_decode_op", "decode_kernel_for", "linear_op", "build", "cache_dir", "prebuild", "prebuilt"]
