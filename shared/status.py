@@ -57,7 +57,7 @@ def table(service_rows: list[dict]) -> str:
 def main(config: StatusConfig) -> int:
     """Print the stack's services; 1 when Redis cannot be read or no service has a heartbeat."""
     try:
-        with redis.Redis.from_url(config.bus.redis_url, socket_connect_timeout=5) as client:
+        with redis.Redis.from_url(config.bus.redis_url, socket_connect_timeout=5, **config.bus.redis_auth) as client:
             beats = read_heartbeats(client, config.bus.names.heartbeat)
     except redis.RedisError as exc:
         print(f"pagedserve status: cannot read {config.bus.redis_url}: {exc}", file=sys.stderr)
