@@ -3,6 +3,7 @@ again within 30 s, without restarting serve; a child that cannot start stops ser
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -146,3 +147,64 @@ def test_a_child_that_cannot_start_stops_serve_naming_it(tiny_llama_dir, tmp_pat
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def stream_text(port: int, on_chunk=None) -> tuple[str, list[str], str | None]:
+    """A streamed greedy completion: its text, finish reasons and the error event if any;
+    ``on_chunk(n)`` is called after the n-th text chunk."""
+    text, reasons, error, chunks = [], [], None, 0
+    body = {"prompt": "Hello world", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as reply:
+        assert reply.status_code == 200, reply.read()
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = event["error"]["message"]
+                continue
+            for choice in event["choices"]:
+                text.append(choice["text"])
+                if choice.get("finish_reason"):
+                    reasons.append(choice["finish_reason"])
+            chunks += 1
+            if on_chunk is not None:
+                on_chunk(chunks)
+    return "".join(text), reasons, error
+
+
+def test_a_stream_survives_its_engines_restart(tiny_llama_dir, redis_url, prefix, tmp_path):
+    """The engine SIGKILLed mid-stream under serve: the restarted engine (a new id) takes the
+    request over (the detok shard's resume) and the stream completes with the fault-free text."""
+    port, log_path = free_port(), tmp_path / "serve.log"
+    proc = start_serve(["--model", str(tiny_llama_dir), "--port", str(port), "--redis-url", redis_url,
+                        "--prefix", prefix, "--restart-backoff", "0.5", *TINY], log_path)
+    try:
+        wait_for(log_path, "pagedserve: serving", proc, 300)
+        reference, reasons, error = stream_text(port)
+        assert reasons == ["length"] and error is None
+        victim = child_pid(proc.pid, "engine")
+        killed = []
+
+        def kill_early(n: int) -> None:
+            if n == 3 and not killed:
+                os.kill(victim, signal.SIGKILL)
+                killed.append(time.monotonic())
+
+        text, reasons, error = stream_text(port, kill_early)
+        print(f"stream ended {time.monotonic() - killed[0]:.1f} s after the kill")
+        assert error is None and reasons == ["length"], (error, reasons, log_path.read_text()[-3000:])
+        assert text == reference
+        assert "pagedserve: engine killed by SIGKILL" in log_path.read_text()
+        deadline = time.monotonic() + 20
+        while (problems := idle_problems(redis_url, prefix)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert problems == [], problems
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
