@@ -11,7 +11,9 @@ Deltas are idempotent on (request_id, index, seq).
 Failover: when a request's engine dies, the shard hands the request back to its gateway
 (``Resume``: the output tokens it took, and the seq to go on from) instead of failing it, and
 keeps its text state; the gateway resubmits it, and the new engine's Admission takes it up again.
-Until then the dead engine's late deltas are dropped (the new engine regenerates them).
+Until then the dead engine's late deltas are dropped (the new engine regenerates them); after it
+too, since the new engine numbers a choice's deltas from the next multiple of ``SEQ_EPOCH`` and
+the shard takes no lower seq any more: an engine judged dead that was only frozen cannot mix in.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from shared.protocol import (Abort, Admission, DetokParams, ErrorInfo, FinishRea
 
 MAX_FINISHED_IDS = 100_000
 RESUME_TIMEOUT_S = 30.0  # a resumed request no engine admits by then is given up (503)
+SEQ_EPOCH = 1 << 24  # a resumed request's deltas are numbered from the next multiple (fencing, below)
 
 
 class ChoiceText:
@@ -156,12 +159,16 @@ class DetokProcessor:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            choice = request.choices.get(0)
             dead_engine, request.engine_id, request.resumed_at = request.engine_id, "", now
-            resume = Resume(request_id=request_id, engine_id=dead_engine) if request.num_choices > 1 or choice is None \
-                else Resume(request_id=request_id, token_ids=tuple(choice.token_ids), next_seq=choice.last_seq + 1,
-                            engine_id=dead_engine)
-            out.append((request.reply_to, resume))
+            if request.num_choices > 1:  # nothing out yet: a plain restart
+                out.append((request.reply_to, Resume(request_id=request_id, engine_id=dead_engine)))
+                continue
+            choice = request.choices.get(0) or request.choices.setdefault(0, ChoiceText(request.params,
+                                                                                        self.new_detokenizer))
+            next_seq = (max(choice.last_seq, 0) // SEQ_EPOCH + 1) * SEQ_EPOCH
+            choice.last_seq = next_seq - 1  # the dead engine's deltas, however late, are below it
+            out.append((request.reply_to, Resume(request_id=request_id, token_ids=tuple(choice.token_ids),
+                                                 next_seq=next_seq, engine_id=dead_engine)))
         return out
 
     def _give_up(self, request_ids: list[str], message: str) -> list[tuple[str, Message]]:

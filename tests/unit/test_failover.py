@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from detok_svc.processor import RESUME_TIMEOUT_S, DetokProcessor
+from detok_svc.processor import RESUME_TIMEOUT_S, SEQ_EPOCH, DetokProcessor
 from engine_svc import EngineConfig, LLMEngine
 from shared.protocol import (Abort, Admission, DetokParams, FinishReason, ProtocolError, RequestOutput, Resume,
                              SamplingParams, StreamNames, TokenDelta)
@@ -126,30 +126,33 @@ def test_a_dead_engines_request_is_resumed_and_goes_on_without_duplicate_text(sh
     ids = detok_tokenizer.encode(" one two three four five six seven")
     first = shard.feed(admission(), delta(0, ids[:2]), delta(1, ids[2:4]))
     out = shard.processor.fail_engines({"e0"}, can_resume=True)
-    assert out == [(GATEWAY, Resume(request_id="r", token_ids=tuple(ids[:4]), next_seq=2, engine_id="e0"))]
+    assert out == [(GATEWAY, Resume(request_id="r", token_ids=tuple(ids[:4]), next_seq=SEQ_EPOCH, engine_id="e0"))]
     assert shard.processor.fail_engines({"e0"}, can_resume=True) == []  # once per death, not at every check
     # a late delta of the dead engine (written before it died) is dropped: the survivor regenerates it
     assert shard.feed(delta(2, ids[4:5])) == []
-    rest = shard.feed(admission(engine_id="e1"), delta(2, ids[4:6]), delta(3, ids[6:], finish=FinishReason.LENGTH))
+    rest = shard.feed(admission(engine_id="e1"), delta(SEQ_EPOCH, ids[4:6]),
+                      delta(3, ids[6:7]),  # the "dead" engine was only frozen: its deltas stay out
+                      delta(SEQ_EPOCH + 1, ids[6:], finish=FinishReason.LENGTH))
     assert text_of(first) + text_of(rest) == detok_tokenizer.decode(ids)
     final = rest[-1][1]
     assert final.finish_reason == FinishReason.LENGTH and final.usage.completion_tokens == len(ids)
-    assert [m.seq for _, m in first + rest] == [0, 1, 2, 3]
+    assert [m.seq for _, m in first + rest] == [0, 1, SEQ_EPOCH, SEQ_EPOCH + 1]
     assert not shard.processor.requests and not shard.processor.holders
-    assert sorted(shard.acked, key=lambda e: int(e.split("-")[0])) == [f"{k}-0" for k in range(1, 8)]
+    assert sorted(shard.acked, key=lambda e: int(e.split("-")[0])) == [f"{k}-0" for k in range(1, 9)]
 
 
 def test_a_request_resumed_twice_and_one_with_nothing_delivered(shard, detok_tokenizer):
     ids = detok_tokenizer.encode(" alpha beta gamma delta")
     shard.feed(admission(), delta(0, ids[:1]), admission("q", n=3))  # q: three choices, nothing yet
     out = dict((m.request_id, m) for _, m in shard.processor.fail_engines({"e0"}, can_resume=True))
-    assert out["r"] == Resume(request_id="r", token_ids=tuple(ids[:1]), next_seq=1, engine_id="e0")
+    assert out["r"] == Resume(request_id="r", token_ids=tuple(ids[:1]), next_seq=SEQ_EPOCH, engine_id="e0")
     assert out["q"] == Resume(request_id="q", token_ids=(), next_seq=0, engine_id="e0")  # a plain restart
-    shard.feed(admission(engine_id="e1"), delta(1, ids[1:2]), admission("q", engine_id="e1", n=3))
+    shard.feed(admission(engine_id="e1"), delta(SEQ_EPOCH, ids[1:2]), admission("q", engine_id="e1", n=3))
     out = shard.processor.fail_engines({"e0", "e1"}, can_resume=True)
     assert sorted(m.request_id for _, m in out) == ["q", "r"]
-    assert next(m for _, m in out if m.request_id == "r").token_ids == tuple(ids[:2])
-    rest = shard.feed(admission(engine_id="e2"), delta(2, ids[2:], finish=FinishReason.STOP),
+    again = next(m for _, m in out if m.request_id == "r")
+    assert again.token_ids == tuple(ids[:2]) and again.next_seq == 2 * SEQ_EPOCH
+    rest = shard.feed(admission(engine_id="e2"), delta(2 * SEQ_EPOCH, ids[2:], finish=FinishReason.STOP),
                       admission("q", engine_id="e2", n=3),
                       *[delta(0, ids[:1], rid="q", index=i, n=3, finish=FinishReason.LENGTH) for i in range(3)])
     assert [m.finish_reason for _, m in rest] == [FinishReason.STOP] + [FinishReason.LENGTH] * 3
