@@ -146,11 +146,15 @@ class HeartbeatWriter:
         self._epoch: bytes | None = None  # the hash's epoch at the last beat: a new one means it was lost
         self._healthy_since: float | None = None
         self._last_ok: float | None = None  # when the last beat was written
+        self._max_gap_s = max(3 * interval_s, interval_s + 2.0)  # beats further apart: a stall
 
     def healthy_for(self) -> float:
         """Seconds since this writer's beats began succeeding again on time (0 when the last one
         failed; a beat that came late -- Redis stalled, or this process did -- starts it again)."""
-        return 0.0 if self._healthy_since is None else time.monotonic() - self._healthy_since
+        now = time.monotonic()
+        if self._healthy_since is None or self._last_ok is None or now - self._last_ok > self._max_gap_s:
+            return 0.0  # no beat for a while: this process or Redis is stalled right now
+        return now - self._healthy_since
 
     def failed(self) -> None:
         """The service saw Redis fail: staleness is no evidence until it has had Redis for a while."""
@@ -172,7 +176,7 @@ class HeartbeatWriter:
             self.failed()
             return True
         now = time.monotonic()
-        if self._last_ok is not None and now - self._last_ok > max(3 * self.interval_s, self.interval_s + 2.0):
+        if self._last_ok is not None and now - self._last_ok > self._max_gap_s:
             self._healthy_since = None  # this beat came late: Redis (or this process) stalled meanwhile
         self._last_ok = now
         if self._epoch is not None and epoch != self._epoch:
