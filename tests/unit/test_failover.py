@@ -5,6 +5,8 @@ new engine admits them, without duplicating or losing text."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from detok_svc.processor import RESUME_TIMEOUT_S, SEQ_EPOCH, DetokProcessor
@@ -196,3 +198,71 @@ def test_a_resumed_structured_output_request_goes_on_inside_its_grammar(engine):
     for cut in (1, len(tokens) // 2, len(tokens) - 1):  # the new engine's matcher accepts the outputs first
         rest = run_one(engine, f"grammar-{cut}", PROMPTS[0], params, tokens[:cut], cut)
         assert tokens[:cut] + [t for d in rest for t in d.new_token_ids] == tokens, cut
+
+
+# ----------------------------------------------------------------------------------------- gateway
+
+
+class Bus:
+    """The gateway's side of the bus as a Submission sees it, recording what goes out."""
+
+    def __init__(self):
+        from gateway.collector import Collector
+
+        self.collector = Collector(reader=None)
+        self.submitted: list = []
+        self.aborted: list = []
+
+    async def submit(self, requests) -> None:
+        self.submitted += requests
+
+    def abort(self, request_ids, reason) -> None:
+        self.aborted.append((tuple(request_ids), reason))
+
+
+def test_the_gateway_resubmits_on_resume_and_the_stream_goes_on():
+    from gateway.submission import Submission
+    from shared.protocol import GenerateRequest
+
+    async def scenario():
+        bus = Bus()
+        request = GenerateRequest(request_id="r", reply_to=GATEWAY, prompt="Count:",
+                                  sampling=SamplingParams(max_tokens=8))
+        submission = Submission(bus, [request])
+        await submission.start()
+        bus.collector.deliver(RequestOutput(request_id="r", seq=0, text_delta="one", token_ids=(5,)))
+        first = await submission.receive()
+        bus.collector.deliver(Resume(request_id="r", token_ids=(5,), next_seq=SEQ_EPOCH, engine_id="e0"))
+        await asyncio.sleep(0)  # the resubmission task runs
+        bus.collector.deliver(RequestOutput(request_id="r", seq=SEQ_EPOCH, text_delta=" two", token_ids=(6,),
+                                            finish_reason=FinishReason.LENGTH))
+        rest = await submission.receive()
+        submission.close()
+        return bus, first + rest, submission
+
+    bus, applied, submission = asyncio.run(scenario())
+    assert [r.resumed_token_ids for r in bus.submitted] == [(), (5,)]
+    assert [r.resumed_seq for r in bus.submitted] == [0, SEQ_EPOCH]
+    assert bus.submitted[1].prompt == "Count:" and bus.submitted[1].request_id == "r"
+    assert submission.choices[0].text == "one two" and submission.choices[0].is_finished
+    assert not bus.aborted and not bus.collector.inboxes  # finished: nothing to abort, nothing held
+
+
+def test_a_resume_for_a_client_that_left_is_dropped():
+    from gateway.submission import Submission
+    from shared.protocol import GenerateRequest
+
+    async def scenario():
+        bus = Bus()
+        submission = Submission(bus, [GenerateRequest(request_id="r", reply_to=GATEWAY, prompt="x")])
+        await submission.start()
+        submission.cancel()
+        submission.resume(Resume(request_id="r", token_ids=(5,), next_seq=SEQ_EPOCH))  # raced the departure
+        submission.close()
+        bus.collector.deliver(Resume(request_id="r", token_ids=(5,), next_seq=SEQ_EPOCH))  # after it
+        await asyncio.sleep(0)
+        return bus
+
+    bus = asyncio.run(scenario())
+    assert len(bus.submitted) == 1 and bus.aborted == [(("r",), "client disconnected")]
+    assert bus.collector.num_dropped == 1
