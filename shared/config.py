@@ -209,12 +209,13 @@ class StatusConfig:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RestartConfig:
     """How `serve` restarts a child that died (shared.lifecycle.RestartTracker): the backoff
-    before each restart, and how many start-up failures in a row stop the stack."""
+    before each restart, and how many start-up failures in a row stop the stack. The defaults
+    are ServeConfig's (``ServeConfig.restart``)."""
 
-    restart_backoff_s: float = 1.0  # the first restart waits this long; each further one twice as long
-    restart_backoff_max_s: float = 30.0  # ... up to this
-    restart_reset_after_s: float = 60.0  # a child that stayed up this long starts its backoff over
-    max_start_failures: int = 3  # deaths in a row without becoming healthy: serve stops
+    restart_backoff_s: float
+    restart_backoff_max_s: float
+    restart_reset_after_s: float
+    max_start_failures: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -231,8 +232,19 @@ class ServeConfig:
     engine_sched: str = "idle"  # idle: SCHED_IDLE (see shared/cli.py) | normal
     bus_cpus: str = "spread"  # shared.placement.MODES
     startup_timeout_s: float = 1800.0
+    # restarts (RestartConfig): a dead child waits 1 s, 2, 4, ... up to 30 s; 60 s up starts over;
+    # 3 deaths in a row before it is healthy stop the stack
+    restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 30.0
+    restart_reset_after_s: float = 60.0
+    max_start_failures: int = 3
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     engine: EngineServiceConfig = field(default_factory=EngineServiceConfig)
     detok: DetokConfig = field(default_factory=DetokConfig)
-    restart: RestartConfig = field(default_factory=RestartConfig)
+
+    @property
+    def restart(self) -> RestartConfig:
+        return RestartConfig(restart_backoff_s=self.restart_backoff_s, restart_backoff_max_s=self.restart_backoff_max_s,
+                             restart_reset_after_s=self.restart_reset_after_s,
+                             max_start_failures=self.max_start_failures)

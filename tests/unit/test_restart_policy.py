@@ -63,4 +63,5 @@ def test_serve_flags_fill_the_policy():
                           "--max-start-failures", "5"])
     assert config.restart == RestartConfig(restart_backoff_s=0.5, restart_backoff_max_s=4.0,
                                            restart_reset_after_s=30.0, max_start_failures=5)
-    assert parse_serve([]).restart == RestartConfig()
+    assert parse_serve([]).restart == RestartConfig(restart_backoff_s=1.0, restart_backoff_max_s=30.0,
+                                                    restart_reset_after_s=60.0, max_start_failures=3)
