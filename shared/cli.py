@@ -271,7 +271,10 @@ class Supervisor:
                     self.is_ready = True
                     on_ready()
                 elif now > deadline:
-                    print(f"pagedserve: /health did not answer 200 within {startup_timeout_s:g} s", file=sys.stderr)
+                    beating = self.bus.pids() if self.bus is not None else {}
+                    silent = [c.name for c in self.children if c.is_alive and c.proc.pid not in beating]
+                    print(f"pagedserve: /health did not answer 200 within {startup_timeout_s:g} s; without a "
+                          f"heartbeat: {', '.join(silent) or 'none'}", file=sys.stderr)
                     return 1
             if self.is_ready and now >= next_beat_check:
                 next_beat_check = now + 1.0
