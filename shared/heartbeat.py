@@ -12,8 +12,8 @@ What counts as evidence that a service is gone (README: what survives what):
   field every writer sets with HSETNX). Right after FLUSHALL or an empty Redis restart the hash
   is young and missing fields prove nothing.
 Beats older than a TTL are deleted by the live writers (the hash has no per-field TTL on Redis
-6.2/7.0), atomically and only if unchanged since read, so a dead service disappears from
-`pagedserve status` and /metrics.
+6.2/7.0), in a transaction that fails if the hash changed since it was read, so a dead service
+disappears from `pagedserve status` and /metrics and a live one is never deleted.
 """
 
 from __future__ import annotations
@@ -33,18 +33,6 @@ log = logging.getLogger(__name__)
 EPOCH_FIELD = b"_epoch"  # when this hash was (re)created, wall clock: not a service
 STOPPED = "stopped"  # stats key of the last beat a clean shutdown writes
 DEFAULT_TTL_S = 60.0
-
-# delete each (field, value) pair only if the field still holds that value (not re-written since read)
-_DELETE_IF_UNCHANGED = """
-local n = 0
-for i = 1, #ARGV, 2 do
-  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then
-    n = n + redis.call('HDEL', KEYS[1], ARGV[i])
-  end
-end
-return n
-"""
-
 
 def heartbeat_value(service: str, service_id: str, stats: Mapping[str, float], start_time: float = 0.0) -> bytes:
     """The hash value of one beat of ``service_id`` (this process, started at ``start_time``), stamped now."""
@@ -100,26 +88,32 @@ def read_heartbeats(client: redis.Redis, key: str, *, max_age_s: float | None = 
 
 
 def expire_heartbeats(client: redis.Redis, key: str, ttl_s: float) -> list[str]:
-    """Delete the beats older than ``ttl_s`` (stopped markers included) that nobody re-wrote
-    meanwhile; the ids deleted."""
-    raw = client.hgetall(key)
-    now = time.time()
-    old = []
-    for field, data in raw.items():
-        if _is_epoch(field):
-            continue
-        try:
-            beat = Heartbeat.from_wire(data)
-        except ProtocolError:
-            continue
-        if now - beat.time > ttl_s:
-            old += [field, data]
-    if not old:
-        return []
-    client.eval(_DELETE_IF_UNCHANGED, 1, key, *old)
-    gone = [f.decode() if isinstance(f, bytes) else f for f in old[::2]]
-    log.info("expired the heartbeats of %s (older than %gs)", ", ".join(gone), ttl_s)
-    return gone
+    """Delete the beats older than ``ttl_s`` (stopped markers included), unless the hash changed
+    since they were read (WATCH: a service may have beaten meanwhile; plain transactions, no
+    scripting, so the ACL roles of shared/redis_server.py may do it); the ids deleted."""
+    with client.pipeline(transaction=True) as pipe:
+        for _ in range(3):
+            try:
+                pipe.watch(key)
+                now, old = time.time(), []
+                for field, data in pipe.hgetall(key).items():
+                    try:
+                        if not _is_epoch(field) and now - Heartbeat.from_wire(data).time > ttl_s:
+                            old.append(field)
+                    except ProtocolError:
+                        continue
+                if not old:
+                    pipe.unwatch()
+                    return []
+                pipe.multi()
+                pipe.hdel(key, *old)
+                pipe.execute()
+            except redis.WatchError:  # a beat landed between the read and the delete: read again
+                continue
+            gone = [f.decode() if isinstance(f, bytes) else f for f in old]
+            log.info("expired the heartbeats of %s (older than %gs)", ", ".join(gone), ttl_s)
+            return gone
+    return []
 
 
 class HeartbeatWriter:

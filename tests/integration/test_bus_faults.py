@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+import redis
 
 from detok_svc.processor import DetokProcessor
 from detok_svc.service import DetokService
@@ -184,6 +185,29 @@ def test_live_writers_delete_beats_older_than_the_ttl(redis_client, stream_names
     writer.beat({}, force=True)
     assert expire_heartbeats(redis_client, key, ttl_s=0.5) == ["detok-live"]
     assert set(read_heartbeats(redis_client, key, stopped=True)) == {"tokenizer-live"}
+
+
+def test_expiry_never_deletes_a_beat_written_after_it_read_the_hash(redis_url, redis_client, stream_names,
+                                                                      monkeypatch):
+    """The read and the delete are one WATCHed transaction: a beat that lands in between (from
+    another connection, injected right after the expiry's read) makes it read again, and keep it."""
+    key = stream_names.heartbeat
+    redis_client.hset(key, "engine-0", _old_beat("engine", "engine-0", 30))
+    engine = connect(redis_url)
+    real_hgetall = redis.client.Pipeline.hgetall
+    reads = []
+
+    def hgetall_then_the_engine_beats(pipe, name):
+        out = real_hgetall(pipe, name)
+        if not reads:
+            engine.hset(key, "engine-0", heartbeat_value("engine", "engine-0", {}))
+        reads.append(out)
+        return out
+
+    monkeypatch.setattr(redis.client.Pipeline, "hgetall", hgetall_then_the_engine_beats)
+    assert expire_heartbeats(redis_client, key, ttl_s=10) == []
+    assert len(reads) == 2  # the first attempt failed its WATCH; the second read saw the fresh beat
+    assert set(read_heartbeats(redis_client, key, max_age_s=10)) == {"engine-0"}
 
 
 def test_a_late_beat_restarts_the_writers_healthy_time(own_redis, stream_names):
