@@ -345,3 +345,52 @@ def test_services_keep_running_through_a_kill_and_restart(own_redis, prefix, hf_
         service.stop()
         thread.join(15)
     assert not thread.is_alive()
+
+
+def test_the_engine_holds_its_output_through_an_outage_and_fails_it_after_max_outage(own_redis, prefix,
+                                                                                      tiny_llama_dir):
+    """The engine loop over a Redis that is killed: run_once never raises, computes at most the
+    step it could not send, and when Redis is back (empty) after more than max_outage_s, the
+    request ends with one 503, to its gateway and to its detok shard; the engine holds nothing."""
+    from engine_svc import EngineConfig, LLMEngine
+    from engine_svc.service import EngineService
+    from shared.config import EngineServiceConfig
+    from shared.protocol import EngineRequest, SamplingParams
+
+    names = StreamNames(prefix)
+    engine = LLMEngine(EngineConfig(enforce_eager=True, model=str(tiny_llama_dir), device="cpu", dtype="float32",
+                                    kv_cache_memory=4 << 20, max_model_len=256, attention_backend="torch"))
+    config = EngineServiceConfig(bus=BusConfig(redis_url=own_redis.url, prefix=prefix), service_id="engine-0",
+                                 idle_block_ms=50, heartbeat_s=0.05, max_outage_s=1.0)
+    service = EngineService(config, engine, client=_client(own_redis))
+    reply = names.gateway_out("g")
+    Producer(_client(own_redis)).send(names.engine_in, EngineRequest(
+        request_id="a", reply_to=reply, prompt_token_ids=(1, 2, 3),
+        sampling=SamplingParams(max_tokens=200, ignore_eos=True)))
+    deadline = time.monotonic() + 30
+    while not (engine.has_request("a") and service.outbox.down_for() == 0 and engine.stats()["num_running"]):
+        service.run_once()
+        assert time.monotonic() < deadline
+    own_redis.stop()
+    steps_before = _num_output_tokens(engine, "a")
+    started = time.monotonic()
+    while time.monotonic() - started < 1.5:
+        service.run_once()  # no exception escapes
+    assert service.outbox and engine.has_request("a")
+    assert _num_output_tokens(engine, "a") <= steps_before + 1  # nothing computed for nobody
+    restart_empty(own_redis)
+    deadline = time.monotonic() + 30
+    while engine.has_request("a"):
+        service.run_once()
+        assert time.monotonic() < deadline
+    client = _client(own_redis)
+    errors = [m for m in _msgs(client, reply) if m.error is not None]
+    assert [(m.request_id, m.error.code) for m in errors] == [("a", 503)]
+    assert "unreachable" in errors[0].error.message
+    final = [m for m in _msgs(client, names.detok_in(0)) if isinstance(m, TokenDelta) and m.finish_reason is not None]
+    assert [(m.request_id, m.error.code) for m in final] == [("a", 503)]
+    assert engine.stats()["num_free_blocks"] == engine.stats()["num_total_blocks"] and service.reply_to == {}
+
+
+def _num_output_tokens(engine, request_id: str) -> int:
+    return sum(r.num_output_tokens for r in engine.scheduler.requests[request_id])
