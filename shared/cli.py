@@ -32,13 +32,14 @@ from dataclasses import dataclass, field
 import redis
 
 from shared import flags
+from shared.bus_auth import generate_secret, secure_serve, url_with_credentials
 from shared.config import RestartConfig, ServeConfig
 from shared.heartbeat import read_heartbeats
 from shared.lifecycle import RestartTracker, wait_http
 from shared.models import resolve_model
 from shared.placement import bus_cpus, pin
 from shared.protocol import GROUP_ENGINE, StreamNames
-from shared.redis_server import RedisServer, die_with_parent
+from shared.redis_server import RedisAcl, RedisServer, die_with_parent
 
 MODULES = {"gateway": "gateway", "tokenizer": "tokenizer_svc", "engine": "engine_svc", "detok": "detok_svc"}
 STOP_ORDER = ("gateway", "tokenizer", "engine", "detok")  # stop intake first, output last
@@ -337,12 +338,18 @@ def serve(argv: list[str]) -> int:
     redis_server = None
     if config.redis_url is None:
         cpus = bus_cpus(config.bus_cpus, config.num_gateways, config.num_detokenizers)
-        redis_server = RedisServer(cpus=cpus.get("redis")).start()
-    redis_url = config.redis_url or redis_server.url
+        acl = RedisAcl.generate(config.gateway.bus.prefix, config.gateway.bus.redis_password or generate_secret())
+        redis_server = RedisServer(cpus=cpus.get("redis"), acl=acl).start()
+    # the bus secret and each role's Redis user (README: Security); the URL on the children's
+    # command lines carries no credentials
+    config, redis_url = secure_serve(config, config.redis_url or redis_server.address,
+                                     redis_server.acl if redis_server else None)
     # secrets through the environment, not visible in `ps`
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **flags.to_env("gateway", config.gateway)}
     children = build_children(config, redis_url, model)
-    view = BusView(redis_url, config.gateway.bus.names)
+    bus = config.gateway.bus
+    view = BusView(redis_server.url if redis_server else
+                   url_with_credentials(redis_url, bus.redis_username, bus.redis_password), bus.names)
     supervisor = Supervisor(children, config.restart, view)
     signal.signal(signal.SIGINT, supervisor.on_signal)
     signal.signal(signal.SIGTERM, supervisor.on_signal)

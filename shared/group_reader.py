@@ -38,8 +38,11 @@ class GroupReader:
     def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str, *,
                  claim_idle_ms: int | None = 30_000, dlq: str | None = None,
                  producer: Producer | None = None, max_block_ms: int = 60_000,
-                 accept: tuple[type[Message], ...] | None = None, delete_acked: bool = True):
+                 accept: tuple[type[Message], ...] | None = None, delete_acked: bool = True,
+                 signer: BusSigner | None = None):
         self.client = client
+        self.signer = signer  # entries without a valid MAC are refused unread (shared/bus_auth.py)
+        self.refusals = RefusalLog(stream)
         self.delete_acked = delete_acked  # XDEL with each XACK: this group is the stream's only reader
         self.stream, self.group, self.consumer = stream, group, consumer
         self.accept = accept  # other message types are refused like garbage
