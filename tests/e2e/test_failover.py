@@ -15,30 +15,19 @@ from tests.e2e.conftest import TINY_MAX_MODEL_LEN
 from tests.e2e.stack import Stack
 
 # float32: a re-prefill computes exactly what the decode steps did (bfloat16 may round differently)
-ENGINE_ARGS = ["--enforce-eager", "--dtype", "float32", "--kv-cache-memory", "64M", "--max-num-seqs", "16",
-               "--max-num-batched-tokens", "1024"]
-MAX_TOKENS = 300
+TINY_ARGS = ["--enforce-eager", "--dtype", "float32", "--kv-cache-memory", "64M", "--max-num-seqs", "16",
+             "--max-num-batched-tokens", "1024"]
 REQUESTS = [dict(prompt=f"Story {i}:", temperature=0.0) for i in range(4)] + [
     dict(prompt="Seeded:", temperature=1.0, top_p=0.95, seed=1234),  # seeded sampling goes on from the same state
     dict(prompt="Penalized:", temperature=0.8, seed=99, frequency_penalty=0.5),
 ]
 
 
-@pytest.fixture
-def stack(redis_url, tiny_llama_dir, tmp_path):
-    stack = Stack(redis_url, tiny_llama_dir, tmp_path / "logs", max_model_len=TINY_MAX_MODEL_LEN,
-                  engine_args=ENGINE_ARGS)
-    stack.start()
-    try:
-        yield stack
-    finally:
-        stack.stop()
-
-
-async def stream_text(client, progress: list[int] | None = None, **kwargs) -> tuple[str, int]:
+async def stream_text(client, model: str, max_tokens: int, progress: list[int] | None = None,
+                      **kwargs) -> tuple[str, int]:
     """The streamed text of one completion and its completion_tokens (from the usage chunk);
     ``progress[0]`` counts the text chunks received so far."""
-    stream = await client.completions.create(model="tiny", max_tokens=MAX_TOKENS, stream=True,
+    stream = await client.completions.create(model=model, max_tokens=max_tokens, stream=True,
                                              stream_options={"include_usage": True},
                                              extra_body={"ignore_eos": True}, **kwargs)
     parts, usage = [], None
@@ -52,23 +41,28 @@ async def stream_text(client, progress: list[int] | None = None, **kwargs) -> tu
     return "".join(parts), usage.completion_tokens
 
 
-def test_streams_of_a_sigkilled_engine_complete_on_the_survivor_with_the_same_text(stack):
-    victim = stack.start_service("engine-b", "engine_svc", "--service-id", "engine-1", *ENGINE_ARGS)
+def kill_mid_stream_and_compare(stack: Stack, engine_args: list[str], requests: list[dict], max_tokens: int,
+                                model: str) -> None:
+    """Run ``requests`` once on the healthy pair of engines, then again with only the second engine
+    admitting them, which is frozen and SIGKILLed once every stream is under way: every stream
+    completes on the survivor with the first run's text, and nothing is left afterwards."""
+    victim = stack.start_service("engine-b", "engine_svc", "--service-id", "engine-1", *engine_args)
     survivor = stack.service("engine")
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while "engine-1" not in stack.heartbeats():
         assert time.monotonic() < deadline, stack.logs()
         time.sleep(0.25)
 
     async def scenario():
         async with openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="x", max_retries=0,
-                                      timeout=180) as client:
-            baseline = await asyncio.gather(*(stream_text(client, **r) for r in REQUESTS))
+                                      timeout=300) as client:
+            baseline = await asyncio.gather(*(stream_text(client, model, max_tokens, **r) for r in requests))
             survivor.signal(signal.SIGSTOP)  # a few seconds: only the victim admits what comes now
             try:
                 await asyncio.sleep(1.5)  # the blocking read the survivor may have left in Redis expires
-                progress = [[0] for _ in REQUESTS]
-                tasks = [asyncio.ensure_future(stream_text(client, progress[i], **r)) for i, r in enumerate(REQUESTS)]
+                progress = [[0] for _ in requests]
+                tasks = [asyncio.ensure_future(stream_text(client, model, max_tokens, progress[i], **r))
+                         for i, r in enumerate(requests)]
                 deadline = time.monotonic() + 60
                 while not all(p[0] >= 5 for p in progress):  # every stream under way (so: admitted by the victim)
                     assert time.monotonic() < deadline and not any(t.done() for t in tasks), stack.logs()
@@ -85,12 +79,37 @@ def test_streams_of_a_sigkilled_engine_complete_on_the_survivor_with_the_same_te
     baseline, results, cut, seconds = asyncio.run(scenario())
     errors = [r for r in results if isinstance(r, BaseException)]
     assert not errors, (errors, stack.logs())
-    assert all(tokens == MAX_TOKENS for _, tokens in baseline + results)
-    for request, (want, _), (got, _) in zip(REQUESTS, baseline, results):
+    assert all(tokens == max_tokens for _, tokens in baseline + results)
+    for request, (want, _), (got, _) in zip(requests, baseline, results):
         assert got == want, request
-    assert seconds < 60  # the heartbeat age (10 s) and a check (2 s), then the rest of the tokens
-    # every stream was cut mid-way: the rest came from the survivor
-    assert all(5 <= c < MAX_TOKENS // 2 for c in cut), cut
+    assert seconds < 90  # the heartbeat age (10 s) and a check (2 s), then the rest of the tokens
+    assert all(5 <= c < max_tokens // 2 for c in cut), cut  # every stream was cut early: the rest is the survivor's
     with stack.redis() as client:  # the dead engine's stale heartbeat is no request state: forget it
         client.hdel(stack.names.heartbeat, "engine-1")
     stack.assert_idle(timeout_s=20)
+
+
+def test_streams_of_a_sigkilled_engine_complete_on_the_survivor_with_the_same_text(redis_url, tiny_llama_dir,
+                                                                                   tmp_path):
+    stack = Stack(redis_url, tiny_llama_dir, tmp_path / "logs", max_model_len=TINY_MAX_MODEL_LEN,
+                  engine_args=TINY_ARGS)
+    stack.start()
+    try:
+        kill_mid_stream_and_compare(stack, TINY_ARGS, REQUESTS, max_tokens=300, model="tiny")
+    finally:
+        stack.stop()
+
+
+@pytest.mark.slow
+def test_default_model_streams_survive_their_engine(redis_url, default_model_dir, tmp_path):
+    args = ["--dtype", "float32", "--kv-cache-memory", "256M", "--max-num-seqs", "8"]
+    stack = Stack(redis_url, default_model_dir, tmp_path / "logs", served_model_name="smollm2",
+                  max_model_len=2048, engine_args=args)
+    stack.start(timeout_s=300)
+    try:
+        requests = [dict(prompt="The history of Paris", temperature=0.0),
+                    dict(prompt="def fibonacci(n):", temperature=0.0),
+                    dict(prompt="Once upon a time", temperature=0.9, seed=7)]
+        kill_mid_stream_and_compare(stack, args, requests, max_tokens=96, model="smollm2")
+    finally:
+        stack.stop()
