@@ -113,3 +113,47 @@ def test_default_model_streams_survive_their_engine(redis_url, default_model_dir
         kill_mid_stream_and_compare(stack, args, requests, max_tokens=96, model="smollm2")
     finally:
         stack.stop()
+
+
+def test_a_client_that_leaves_while_its_engine_is_dead_leaves_nothing_behind(redis_url, tiny_llama_dir, tmp_path):
+    """Two streams on the victim; it is SIGKILLed and one client leaves before the failover: the
+    other stream completes on the survivor, and the one whose client left (its Resume finds no
+    one waiting) is given up by the detok shard after the resume timeout; nothing is left."""
+    from detok_svc.processor import RESUME_TIMEOUT_S
+
+    stack = Stack(redis_url, tiny_llama_dir, tmp_path / "logs", max_model_len=TINY_MAX_MODEL_LEN,
+                  engine_args=TINY_ARGS)
+    stack.start()
+    try:
+        victim = stack.start_service("engine-b", "engine_svc", "--service-id", "engine-1", *TINY_ARGS)
+        survivor = stack.service("engine")
+        deadline = time.monotonic() + 120
+        while "engine-1" not in stack.heartbeats():
+            assert time.monotonic() < deadline, stack.logs()
+            time.sleep(0.25)
+
+        async def scenario():
+            async with openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="x", max_retries=0,
+                                          timeout=120) as client:
+                survivor.signal(signal.SIGSTOP)
+                try:
+                    await asyncio.sleep(1.5)
+                    streams = [await client.completions.create(model="tiny", prompt=f"Leave {i}:", max_tokens=300,
+                                                               temperature=0, stream=True,
+                                                               extra_body={"ignore_eos": True}) for i in range(2)]
+                    firsts = [await anext(aiter(s)) for s in streams]
+                    victim.signal(signal.SIGSTOP)
+                finally:
+                    survivor.signal(signal.SIGCONT)
+                victim.signal(signal.SIGKILL)
+                await streams[0].close()  # this client leaves before its request is resumed
+                rest = "".join([c.choices[0].text async for c in streams[1] if c.choices])
+                return firsts[1].choices[0].text + rest
+
+        text = asyncio.run(scenario())
+        assert text
+        with stack.redis() as client:
+            client.hdel(stack.names.heartbeat, "engine-1")
+        stack.assert_idle(timeout_s=RESUME_TIMEOUT_S + 25)  # the shard's expiry runs every 10 s
+    finally:
+        stack.stop()
