@@ -215,7 +215,6 @@ class GroupReader:
         """Acks waiting for Redis to come back."""
         return len(self._unacked)
 
-
     # ----------------------------------------------------------------- inspection
     def num_pending(self) -> int:
         try:
