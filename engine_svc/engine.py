@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -11,12 +12,16 @@ import torch
 from engine_svc.block_manager import BlockManager
 from engine_svc.config import EngineConfig
 from engine_svc.iteration_stats import IterationStats
+from engine_svc.kv_pool import KVConnector, KVTransferError
 from engine_svc.request import Request
 from engine_svc.sampler import Sampler
 from engine_svc.scheduler import Scheduler
 from engine_svc.structured.manager import GrammarManager
 from shared.protocol import (Admission, ErrorInfo, FinishReason, ProtocolError, SamplingParams, TokenDelta,
                              TokenLogprobs, check_deadline)
+
+log = logging.getLogger(__name__)
+ROLES = ("both", "prefill", "decode")
 
 
 @dataclass(slots=True)
@@ -32,6 +37,19 @@ class CompletionOutput:
     text: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """P/D: a request a prefill engine hands to a decode engine after its first token: the output
+    tokens so far (the first, or a resumed request's), the seq its next delta carries, and the
+    handle of the KV of its first ``num_kv_tokens`` tokens (None: saving failed, recompute)."""
+
+    request_id: str
+    output_token_ids: tuple[int, ...]
+    next_seq: int
+    kv_handle: str | None
+    num_kv_tokens: int
+
+
 @dataclass(slots=True)
 class RequestResult:
     request_id: str
@@ -42,9 +60,23 @@ class RequestResult:
 
 class LLMEngine:
     """Owns one model runner, one block manager, one scheduler and one sampler, and steps them:
-    schedule -> execute -> sample -> update."""
+    schedule -> execute -> sample -> update.
 
-    def __init__(self, config: EngineConfig | None = None, *, runner=None, record_decode_steps: bool = False):
+    P/D (``role``, README: Prefill/decode disaggregation): a prefill engine hands each request
+    with n = 1 and no beam search off after the step that samples its first token -- its KV saved
+    through the ``connector``, its blocks freed, a ``Handoff`` for ``take_handoffs()``; a decode
+    engine loads a handed-off request's KV before the step that needs it (the scheduler never
+    touches tensors), and computes the prompt itself when the load fails. Both always produce the
+    same tokens as a ``both`` engine."""
+
+    def __init__(self, config: EngineConfig | None = None, *, runner=None, record_decode_steps: bool = False,
+                 role: str = "both", connector: KVConnector | None = None):
+        if role not in ROLES:
+            raise ValueError(f"engine role must be one of {ROLES}, got {role!r}")
+        self.role = role
+        self.connector = connector
+        self.num_kv_save_failures = 0  # the connector counts the load side's fallbacks
+        self._handoffs: list[Handoff] = []
         self.config = config = config or EngineConfig()
         if runner is None:
             from engine_svc.model_runner import ModelRunner
@@ -67,7 +99,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                     cache_salt: str | None = None, arrival_time: float | None = None,
-                    resumed_token_ids: Sequence[int] = (), resumed_seq: int = 0, deadline: float = 0.0) -> Admission:
+                    resumed_token_ids: Sequence[int] = (), resumed_seq: int = 0, deadline: float = 0.0,
+                    kv_handle: str | None = None, num_kv_tokens: int = 0) -> Admission:
         """Validate again (a second front door must not bypass limits), then queue. The returned
         Admission is the request's first message (the caller adds where it goes).
 
@@ -77,14 +110,21 @@ class LLMEngine:
         is advanced past the draws that sampled them, so the continuation is the one the dead
         engine would have produced.
 
-        A request past its ``deadline`` (unix time, 0: none) is refused with a 503 before anything else."""
+        A request past its ``deadline`` (unix time, 0: none) is refused with a 503 before anything else.
+
+        P/D: a handed-off request is a resumed one (its first token delivered by the prefill
+        engine) that brings ``kv_handle``, the KV of its first ``num_kv_tokens`` tokens."""
         self.scheduler.refuse_expired(check_deadline(deadline))
         self._validate(request_id, prompt_token_ids, params)
         self._validate_resume(prompt_token_ids, params, resumed_token_ids, resumed_seq)
         prompt = list(prompt_token_ids)
+        if kv_handle is not None and not 0 < num_kv_tokens < len(prompt) + len(resumed_token_ids):
+            raise ProtocolError("num_kv_tokens must leave the last token to compute", "num_kv_tokens")
+        hand_off = self.role == "prefill" and kv_handle is None and params.n == 1 and not params.use_beam_search
         request = Request(request_id, prompt, params, cache_salt=cache_salt,
                           arrival_time=arrival_time if arrival_time is not None else self.scheduler.clock(),
-                          token_ids=prompt + list(resumed_token_ids), num_deltas_sent=resumed_seq, deadline=deadline)
+                          token_ids=prompt + list(resumed_token_ids), num_deltas_sent=resumed_seq, deadline=deadline,
+                          hand_off=hand_off, kv_handle=kv_handle, num_kv_tokens=num_kv_tokens if kv_handle else 0)
         self.scheduler.add(request)
         if resumed_token_ids and request.generator is not None and not params.is_greedy:
             skip_draws(request.generator, len(resumed_token_ids), self.vocab_size)
@@ -93,11 +133,13 @@ class LLMEngine:
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Their final ABORT deltas, one per unfinished choice, leave with the next step()."""
         self.scheduler.abort([request_ids] if isinstance(request_ids, str) else request_ids)
+        self.drop_kv(self.scheduler.take_dropped_handles())
 
     def fail_all(self, error: ErrorInfo) -> list[TokenDelta]:
         """Give up on every request (a step raised): the final delta of each unfinished choice,
         carrying ``error``, at once."""
         self.scheduler.abort(list(self.scheduler.requests), FinishReason.ERROR)
+        self.drop_kv(self.scheduler.take_dropped_handles())
         return [dataclasses.replace(d, error=error) for d in self.scheduler.take_aborted()]
 
     def has_request(self, request_id: str) -> bool:
@@ -107,12 +149,68 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> list[TokenDelta]:
+        self._load_kv()
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            return self.scheduler.take_aborted()
-        logits = self.runner.execute(plan)
-        tokens = self.sampler(logits, plan.sampling)
-        return self.scheduler.update(plan, tokens)
+            deltas = self.scheduler.take_aborted()
+        else:
+            logits = self.runner.execute(plan)
+            tokens = self.sampler(logits, plan.sampling)
+            deltas = self.scheduler.update(plan, tokens)
+        self._hand_off()
+        self.drop_kv(self.scheduler.take_dropped_handles())
+        return deltas
+
+    # ------------------------------------------------------------------ P/D
+    def take_handoffs(self) -> list[Handoff]:
+        """The requests handed off since the last call (prefill role), in order."""
+        handoffs, self._handoffs = self._handoffs, []
+        return handoffs
+
+    def drop_kv(self, handles: Iterable[str]) -> None:
+        """Delete saved KV entries nobody will load (an abort; a lease bounds the rest)."""
+        for handle in handles:
+            if self.connector is None:
+                return
+            try:
+                self.connector.delete(handle)
+            except KVTransferError as exc:
+                log.warning("KV entry %s not deleted (its lease ends it): %s", handle, exc)
+
+    def _hand_off(self) -> None:
+        for request in self.scheduler.take_handoffs():
+            handle, num_kv_tokens = None, request.num_computed_tokens
+            if self.connector is not None:
+                try:
+                    handle = self.connector.save(request.request_id, request.block_table, num_kv_tokens)
+                except KVTransferError as exc:
+                    self.num_kv_save_failures += 1
+                    log.warning("KV of %s not saved (%s): the decode engine recomputes it", request.request_id, exc)
+            self.scheduler.hand_off(request)
+            self._handoffs.append(Handoff(request.request_id, tuple(request.output_token_ids),
+                                          request.num_deltas_sent, handle, num_kv_tokens))
+
+    def _load_kv(self) -> None:
+        for request in self.scheduler.take_kv_loads():
+            loaded = False
+            if self.connector is not None:
+                try:
+                    self.connector.load(request.kv_handle, request.block_table, request.num_kv_tokens)
+                    loaded = True
+                except KVTransferError as exc:  # counted by the connector (fallbacks, by reason)
+                    log.warning("KV of %s not loaded (%s: %s): computing its prompt here", request.request_id,
+                                exc.reason, exc)
+            self.scheduler.kv_loaded(request, loaded)
+
+    def kv_transfer_stats(self) -> dict[str, float]:
+        """The connector's cumulative counts (empty without one), for heartbeats and /metrics."""
+        if self.connector is None:
+            return {}
+        st = self.connector.stats
+        out = {f"kv_{k}": float(v) for k, v in st.as_dict().items() if k != "fallback_reasons"}
+        out |= {f"kv_fallbacks_{reason}": float(n) for reason, n in st.fallback_reasons.items()}
+        out["kv_num_save_failures"] = float(self.num_kv_save_failures)
+        return out
 
     def take_stats(self) -> IterationStats:
         """What happened since the last call: tokens, preemptions, finished sequences."""
@@ -131,6 +229,7 @@ class LLMEngine:
             "kv_cache_usage": bm.usage,
             "prefix_cache_queries": prefix_cache.queries,
             "prefix_cache_hits": prefix_cache.hits,
+            **self.kv_transfer_stats(),
         }
 
     def _validate(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> None:

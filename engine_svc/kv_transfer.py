@@ -38,135 +38,27 @@ Only this module (the Redis connector) may import redis; the rest of the engine 
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import struct
-import sys
 import time
 import warnings
 import zlib
-from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
+from abc import abstractmethod
+from dataclasses import asdict, replace
 
 import msgpack
 import redis
 import torch
 
+from engine_svc.kv_pool import (_DTYPES, KVConnector, KVLayout, KVTransferError,  # noqa: F401 (re-exported)
+                                KVTransferStats, gather_kv, scatter_kv, token_slots)
+from shared.config import KVTransferConfig  # noqa: F401 (re-exported)
+
 MAGIC, VERSION = b"PSKV", 1
 _PREAMBLE = struct.Struct("<4sBI")  # magic, version, header length
 _MAX_HEADER = 4096
+FAULTS = ("delete", "flip", "foreign")  # the test hook's ways to spoil a saved entry
 STAGING_MAX_BYTES = 256 << 20  # larger entries get a buffer of their own, so an idle engine holds at most this
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class KVTransferError(Exception):
-    """A KV entry that cannot be loaded; ``reason`` is missing | expired | mismatch | corrupt |
-    unavailable. The caller recomputes the prompt instead."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class KVTransferConfig:
-    """How KV travels between engines: which connector, and how long an unclaimed entry lives."""
-
-    connector: str = "redis"  # redis | shm
-    ttl_s: float = 60.0  # the lease: an entry no decode engine loaded within this is dropped
-    shm_dir: str = "/dev/shm"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class KVLayout:
-    """What a pool's KV bytes mean; a loader accepts only an entry written for its own layout."""
-
-    model_id: str
-    num_layers: int
-    dtype: str  # float32 | bfloat16 | float16
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-
-    @classmethod
-    def of_pool(cls, model_id: str, kv_caches) -> KVLayout:
-        k = kv_caches[0][0]
-        dtype = next((name for name, dt in _DTYPES.items() if dt == k.dtype), None)
-        if dtype is None:
-            raise ValueError(f"KV transfer supports {', '.join(_DTYPES)}, not {k.dtype}")
-        _, block_size, num_kv_heads, head_dim = k.shape
-        return cls(model_id=model_id, num_layers=len(kv_caches), dtype=dtype, block_size=block_size,
-                   num_kv_heads=num_kv_heads, head_dim=head_dim)
-
-    def payload_bytes(self, num_tokens: int) -> int:
-        elem = torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
-        return 2 * self.num_layers * num_tokens * self.num_kv_heads * self.head_dim * elem
-
-
-@dataclass(slots=True)
-class KVTransferStats:
-    """What one connector moved, cumulative (the engine reports them as counters); only the
-    connector writes them."""
-
-    num_saved: int = 0
-    num_loaded: int = 0
-    bytes_saved: int = 0
-    bytes_loaded: int = 0
-    save_seconds: float = 0.0  # gather + encode + store, summed over saves
-    load_seconds: float = 0.0  # fetch + check + scatter, summed over successful loads
-    num_fallbacks: int = 0  # loads that raised: the caller recomputed
-    fallback_reasons: dict[str, int] = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-# ---------------------------------------------------------------------------- the pool side
-def token_slots(block_table, num_tokens: int, block_size: int, num_blocks: int, device) -> torch.Tensor:
-    """int64 [num_tokens]: the pool slot of each of a request's first num_tokens tokens."""
-    needed = -(-num_tokens // block_size)
-    if num_tokens <= 0 or len(block_table) < needed:
-        raise ValueError(f"{num_tokens} tokens need {needed} blocks, the block table has {len(block_table)}")
-    blocks = torch.as_tensor(list(block_table[:needed]), dtype=torch.int64)
-    if int(blocks.min()) < 1 or int(blocks.max()) >= num_blocks:
-        raise ValueError(f"block ids must be in 1..{num_blocks - 1} (0 is the null block)")
-    offsets = torch.arange(block_size, dtype=torch.int64)
-    return (blocks[:, None] * block_size + offsets).reshape(-1)[:num_tokens].to(device)
-
-
-def gather_kv(kv_caches, block_table, num_tokens: int, staging: torch.Tensor | None = None) -> torch.Tensor:
-    """A request's KV as one contiguous CPU tensor [num_layers, 2 (K, V), num_tokens, heads, head_dim],
-    in ``staging`` (CPU uint8, large enough) when given."""
-    k0 = kv_caches[0][0]
-    num_blocks, block_size, heads, head_dim = k0.shape
-    slots = token_slots(block_table, num_tokens, block_size, num_blocks, k0.device)
-    shape = (len(kv_caches), 2, num_tokens, heads, head_dim)
-    if staging is None:
-        out = torch.empty(shape, dtype=k0.dtype)
-    else:
-        out = staging[:k0.element_size() * math.prod(shape)].view(k0.dtype).view(shape)
-    on_device = out if k0.device.type == "cpu" else torch.empty(shape, dtype=k0.dtype, device=k0.device)
-    for layer, pair in enumerate(kv_caches):
-        for i, cache in enumerate(pair):
-            torch.index_select(cache.view(-1, heads, head_dim), 0, slots, out=on_device[layer, i])
-    if on_device is not out:
-        out.copy_(on_device)
-    return out
-
-
-def scatter_kv(kv_caches, block_table, num_tokens: int, kv: torch.Tensor) -> None:
-    """Write ``kv`` (as gather_kv returns it) into the pool's blocks named by ``block_table``."""
-    k0 = kv_caches[0][0]
-    num_blocks, block_size, heads, head_dim = k0.shape
-    expected = (len(kv_caches), 2, num_tokens, heads, head_dim)
-    if tuple(kv.shape) != expected or kv.dtype != k0.dtype:
-        raise ValueError(f"KV of shape {tuple(kv.shape)} {kv.dtype} does not fit {expected} {k0.dtype}")
-    slots = token_slots(block_table, num_tokens, block_size, num_blocks, k0.device)
-    kv = kv.to(k0.device)
-    with torch.no_grad():
-        for layer, pair in enumerate(kv_caches):
-            for i, cache in enumerate(pair):
-                cache.view(-1, heads, head_dim).index_copy_(0, slots, kv[layer, i])
 
 
 # ---------------------------------------------------------------------------- the entry format
@@ -209,40 +101,23 @@ def decode_entry(value, layout: KVLayout, num_tokens: int | None) -> tuple[dict,
     return header, payload
 
 
+
 # ---------------------------------------------------------------------------- connectors
-class KVConnector(ABC):
-    """Moves a request's KV between engines by handle; owns its stats. Bound to one engine's pool."""
-
-    def __init__(self, kv_caches, model_id: str):
-        if sys.byteorder != "little":
-            raise RuntimeError("KV entries are little-endian; this host is not")
-        self.kv_caches = kv_caches
-        self.layout = KVLayout.of_pool(model_id, kv_caches)
-        self.stats = KVTransferStats()
-
-    @abstractmethod
-    def save(self, request_id: str, block_table, num_tokens: int) -> str:
-        """Store the request's first num_tokens tokens of KV; returns the handle a loader needs."""
-
-    @abstractmethod
-    def load(self, handle: str, block_table, num_tokens: int | None = None) -> None:
-        """Fill block_table's blocks from the entry and consume it; KVTransferError when it cannot."""
-
-    @abstractmethod
-    def delete(self, handle: str) -> None:
-        """Drop an entry nobody will load (idempotent)."""
-
-
 class ByteStoreConnector(KVConnector):
     """Save/load through a store of whole values (``_put`` / ``_take`` / ``_drop``); keeps the stats."""
 
     _checks_expiry = False  # True where the store keeps no TTL of its own
 
-    def __init__(self, kv_caches, model_id: str, ttl_s: float):
+    def __init__(self, kv_caches, model_id: str, ttl_s: float, faults: tuple[str, ...] = ()):
         super().__init__(kv_caches, model_id)
         if ttl_s <= 0:
             raise ValueError(f"the KV lease must be positive, got {ttl_s}")
+        unknown = set(faults) - set(FAULTS)
+        if unknown:
+            raise ValueError(f"unknown KV transfer faults {sorted(unknown)}; known: {FAULTS}")
         self.ttl_s = ttl_s
+        self.faults = faults  # test hook (--kv-transfer-fault): spoil the saved entries, in turn
+        self._num_faulted = 0
         self._staging = torch.empty(0, dtype=torch.uint8)
 
     def staging(self, nbytes: int) -> torch.Tensor | None:
@@ -259,7 +134,15 @@ class ByteStoreConnector(KVConnector):
         handle = _check_handle(request_id)
         kv = gather_kv(self.kv_caches, block_table, num_tokens, self.staging(self.layout.payload_bytes(num_tokens)))
         payload = memoryview(kv.reshape(-1).view(torch.uint8).numpy())
-        self._put(handle, encode_head(self.layout, num_tokens, payload, self.ttl_s), payload)
+        fault = self._next_fault()
+        layout = replace(self.layout, block_size=self.layout.block_size * 2) if fault == "foreign" else self.layout
+        head = encode_head(layout, num_tokens, payload, self.ttl_s)
+        if fault == "flip":  # after the checksum: the loader's check must catch it
+            payload = bytearray(payload)
+            payload[len(payload) // 2] ^= 0x10
+        self._put(handle, head, payload)
+        if fault == "delete":
+            self._drop(handle)
         self.stats.num_saved += 1
         self.stats.bytes_saved += len(payload)
         self.stats.save_seconds += time.perf_counter() - start
@@ -291,6 +174,12 @@ class ByteStoreConnector(KVConnector):
     def delete(self, handle: str) -> None:
         self._drop(_check_handle(handle))
 
+    def _next_fault(self) -> str | None:
+        if not self.faults:
+            return None
+        self._num_faulted += 1
+        return self.faults[(self._num_faulted - 1) % len(self.faults)]
+
     @abstractmethod
     def _put(self, handle: str, head: bytes, payload: memoryview) -> None: ...
 
@@ -311,8 +200,9 @@ def _check_handle(handle) -> str:
 class RedisKVConnector(ByteStoreConnector):
     """KV entries as Redis strings under ``{prefix}:kv:{request_id}``, expiring after the lease."""
 
-    def __init__(self, client: redis.Redis, kv_caches, model_id: str, *, prefix: str = "ps", ttl_s: float = 60.0):
-        super().__init__(kv_caches, model_id, ttl_s)
+    def __init__(self, client: redis.Redis, kv_caches, model_id: str, *, prefix: str = "ps", ttl_s: float = 60.0,
+                 faults: tuple[str, ...] = ()):
+        super().__init__(kv_caches, model_id, ttl_s, faults)
         if client.get_encoder().decode_responses:
             raise ValueError("the KV connector needs a Redis client with decode_responses=False")
         self.client, self.prefix = client, prefix
@@ -370,8 +260,8 @@ class ShmKVConnector(ByteStoreConnector):
     _checks_expiry = True
 
     def __init__(self, kv_caches, model_id: str, *, prefix: str = "ps", ttl_s: float = 60.0,
-                 directory: str = "/dev/shm"):
-        super().__init__(kv_caches, model_id, ttl_s)
+                 directory: str = "/dev/shm", faults: tuple[str, ...] = ()):
+        super().__init__(kv_caches, model_id, ttl_s, faults)
         self.directory, self.prefix = directory, prefix
 
     def path(self, handle: str) -> str:
@@ -462,10 +352,12 @@ def _unlink(path: str) -> int:
 def make_connector(config: KVTransferConfig, kv_caches, model_id: str, *, prefix: str = "ps",
                    client: redis.Redis | None = None) -> KVConnector:
     """The connector ``config`` names, bound to this engine's pool."""
+    faults = tuple(f.strip() for f in config.fault.split(",") if f.strip()) if config.fault else ()
     if config.connector == "redis":
         if client is None:
             raise ValueError("the redis KV connector needs a Redis client")
-        return RedisKVConnector(client, kv_caches, model_id, prefix=prefix, ttl_s=config.ttl_s)
+        return RedisKVConnector(client, kv_caches, model_id, prefix=prefix, ttl_s=config.ttl_s, faults=faults)
     if config.connector == "shm":
-        return ShmKVConnector(kv_caches, model_id, prefix=prefix, ttl_s=config.ttl_s, directory=config.shm_dir)
+        return ShmKVConnector(kv_caches, model_id, prefix=prefix, ttl_s=config.ttl_s, directory=config.shm_dir,
+                              faults=faults)
     raise ValueError(f"KV connector must be redis or shm, got {config.connector!r}")

@@ -18,6 +18,7 @@ class RequestStatus(enum.IntEnum):
     PREEMPTED = 2
     FINISHED = 3
     WAITING_FOR_GRAMMAR = 4  # queued, its structured-output grammar still compiling
+    WAITING_FOR_KV = 5  # P/D decode side: queued until its blocks are free and its KV is loaded into them
 
 
 @dataclass(eq=False, slots=True)
@@ -52,6 +53,11 @@ class Request:
     beam: Any = None  # the BeamGroup this sequence is a beam of (use_beam_search)
     matcher: Any = None  # the grammar state of a structured-output sequence (structured.Matcher)
     num_deltas_sent: int = 0
+    # P/D: a prefill engine's sequence stops at its next token and is handed off (``hand_off``); a
+    # decode engine's arrives with the handle of the KV of its first ``num_kv_tokens`` tokens
+    hand_off: bool = False
+    kv_handle: str | None = None
+    num_kv_tokens: int = 0
     pending_token_ids: list[int] = field(default_factory=list)  # sampled, not yet reported
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # when each phase began (the scheduler's clock), for metrics and traces (iteration_stats.py)

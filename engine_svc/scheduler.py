@@ -37,6 +37,15 @@ class Scheduler:
     A request past its deadline (a unix time, read with ``wall_clock``: deadlines cross
     processes) is never computed again: each step first drops every expired request, waiting
     or running, with one final ERROR delta per unfinished choice, and frees its blocks.
+
+    P/D (README: Prefill/decode disaggregation). On a prefill engine, a sequence marked
+    ``hand_off`` that sampled a token and goes on is listed by ``take_handoffs()``; the engine
+    saves its KV and calls ``hand_off()``, which frees it here. On a decode engine, a request that
+    arrives with a KV handle waits (WAITING_FOR_KV) until ``take_kv_loads()`` gives it blocks
+    (under the same caps as any admission); the engine loads the KV into them and calls
+    ``kv_loaded()``: it then runs from its last token, or, when the load failed, waits to be
+    computed from scratch. The handles of requests dropped before their load are handed out by
+    ``take_dropped_handles()``, so that the engine deletes their entries.
     """
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
@@ -62,6 +71,8 @@ class Scheduler:
         self._aborted: list[TokenDelta] = []
         self._scheduled: list[Request] = []  # this step's plan.chunks[i] belongs to _scheduled[i]
         self._sampled: dict[SeqKey, Request] = {}
+        self._handoffs: list[Request] = []
+        self._dropped_handles: list[str] = []
 
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> None:
@@ -78,6 +89,8 @@ class Scheduler:
         if params.structured_outputs is not None:
             self.grammars.submit(params.structured_outputs)  # compiles while the request waits
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
+        elif request.kv_handle is not None:
+            request.status = RequestStatus.WAITING_FOR_KV
         self.waiting.append(request)
         self.requests[request.request_id] = [request]
         if request.deadline:
@@ -103,6 +116,8 @@ class Scheduler:
                 else:
                     self.waiting.remove(request)
                 self.block_manager.free(request)
+                if request.kv_handle is not None:  # never loaded: its entry is nobody's now
+                    self._dropped_handles.append(request.kv_handle)
                 request.finish(reason)
                 self.stats.finished.append(finished_record(request, now, self._max_tokens(request)))
                 if request.beam is None:
@@ -185,6 +200,9 @@ class Scheduler:
                 if self.waiting and self.waiting[0] is request:  # still compiling (not failed)
                     compiling.append(self.waiting.popleft())
                 continue
+            if request.status == RequestStatus.WAITING_FOR_KV:  # admitted by take_kv_loads() instead
+                compiling.append(self.waiting.popleft())
+                continue
             num_seqs = request.params.n if request.status == RequestStatus.WAITING else 1
             if len(self.running) + len(forked) + num_seqs > self.config.max_num_seqs:
                 break
@@ -219,8 +237,8 @@ class Scheduler:
             return False
         if request.matcher is None:
             return False
-        request.matcher.accept_many(request.output_token_ids)  # a resumed request's outputs (failover)
-        request.status = RequestStatus.WAITING
+        request.matcher.accept_many(request.output_token_ids)  # a resumed request's outputs (failover, P/D)
+        request.status = RequestStatus.WAITING_FOR_KV if request.kv_handle is not None else RequestStatus.WAITING
         return True
 
     def _add_chunk(self, plan: SchedulerOutput, request: Request, num_new: int) -> list[Request]:
@@ -294,6 +312,8 @@ class Scheduler:
             if request.matcher is not None and not request.is_finished:
                 self._advance_grammar(request, token_id)
             deltas.append(make_delta(request))
+            if request.hand_off and not request.is_finished:
+                self._handoffs.append(request)
             if request.is_finished:
                 any_finished = True
                 self.block_manager.free(request)
@@ -351,6 +371,60 @@ class Scheduler:
         it cannot accept (only when every allowed token was banned, e.g. by min_tokens)."""
         if not request.matcher.accept(token_id) or request.matcher.is_terminated():
             request.finish(FinishReason.STOP)
+
+    # ------------------------------------------------------------------ P/D
+    def take_handoffs(self) -> list[Request]:
+        """Prefill side: the sequences this step brought to their hand-off (a token sampled, not
+        finished); each stays here, blocks and all, until ``hand_off()``."""
+        handoffs, self._handoffs = self._handoffs, []
+        return handoffs
+
+    def hand_off(self, request: Request) -> None:
+        """Prefill side: the request left for a decode engine (its KV saved, or not): forget it.
+        Its full prompt blocks stay in the prefix cache, as a finished request's do."""
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.FINISHED
+        del self.requests[request.request_id]
+
+    def take_kv_loads(self) -> list[Request]:
+        """Decode side: the WAITING_FOR_KV requests that may load now, FCFS, each given the blocks
+        of its ``num_kv_tokens`` tokens (as an admission would, under max_num_seqs and the free blocks)."""
+        loads: list[Request] = []
+        for request in self.waiting:
+            if request.status != RequestStatus.WAITING_FOR_KV:
+                continue
+            if len(self.running) + len(loads) >= self.config.max_num_seqs:
+                break
+            # no prefix-cache registration before the load: a failed load's blocks hold garbage
+            # and must never become hits (kv_loaded() re-enables it; the next allocation registers)
+            request.num_registered_blocks = len(self.block_manager.blocks)
+            if not self.block_manager.allocate_slots(request, request.num_kv_tokens):
+                request.num_registered_blocks = 0
+                break
+            loads.append(request)
+        return loads
+
+    def kv_loaded(self, request: Request, ok: bool) -> None:
+        """Decode side: the engine loaded the request's KV (``ok``) and it runs from its last token,
+        or it could not and the request waits, in its place, to be computed from scratch."""
+        request.kv_handle = None  # consumed either way (a load takes the entry)
+        request.num_registered_blocks = 0
+        if not ok:
+            self.block_manager.free(request)
+            request.status = RequestStatus.WAITING
+            return
+        self.waiting.remove(request)
+        request.num_computed_tokens = request.num_kv_tokens
+        request.status = RequestStatus.RUNNING
+        if request.scheduled_time is None:
+            request.scheduled_time = self.clock()
+        self.running.append(request)
+
+    def take_dropped_handles(self) -> list[str]:
+        """KV handles of requests dropped (aborted, expired, failed) before their load."""
+        handles, self._dropped_handles = self._dropped_handles, []
+        return handles
 
     # ------------------------------------------------------------------ stats
     def take_stats(self) -> IterationStats:

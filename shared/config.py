@@ -173,6 +173,19 @@ class DetokConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class KVTransferConfig:
+    """How KV travels between engines (P/D, engine_svc/kv_transfer.py): which connector, and how
+    long an unclaimed entry lives."""
+
+    connector: str = "redis"  # redis | shm
+    ttl_s: float = 60.0  # the lease: an entry no decode engine loaded within this is dropped
+    shm_dir: str = "/dev/shm"
+    # test hook (--kv-transfer-fault): the prefill engine spoils its saved entries, in turn, in these
+    # ways ("delete", "flip" a payload byte, "foreign" header), so the decode side's fallback is exercised
+    fault: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EngineServiceConfig:
     """The engine process: its Redis loop, and the engine it runs (``engine``)."""
 
@@ -195,6 +208,10 @@ class EngineServiceConfig:
     # also how long the engine remembers an abort (or a finished id). Keep it >= the gateways'
     # --request-timeout (their longest deadline): an older abort is moot, its request has expired.
     ctl_lookback_s: float = 600.0
+    # prefill/decode disaggregation: prefill engines read ps:engine:in and hand each request, after
+    # its first token, to ps:decode:in with its KV (kv_transfer); decode engines read ps:decode:in
+    role: str = "both"  # both | prefill | decode
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -238,6 +255,9 @@ class ServeConfig:
     restart_backoff_max_s: float = 30.0
     restart_reset_after_s: float = 60.0
     max_start_failures: int = 3
+    pd: bool = False  # prefill/decode disaggregation: prefill and decode engines instead of one engine
+    num_prefill_engines: int = 1  # with pd
+    num_decode_engines: int = 1  # with pd
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     engine: EngineServiceConfig = field(default_factory=EngineServiceConfig)

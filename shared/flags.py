@@ -172,11 +172,30 @@ FLAGS: tuple[Flag, ...] = (
     Flag(name="--max-outage", field="max_outage_s", parse=float, used_by=ENGINE,
          help="Redis unreachable for longer than this many seconds: the requests the engine held meanwhile are "
               "failed (503) when it is back, not computed"),
+    # prefill/decode disaggregation (README: Prefill/decode disaggregation)
+    Flag(name="--role", field="role", parse=str, used_by=frozenset({"engine"}), choices=("both", "prefill", "decode"),
+         env="ENGINE_ROLE", help="both (default): prompt and generation; prefill: the prompt and first token, then "
+                                 "the request and its KV go to a decode engine; decode: takes those"),
+    Flag(name="--kv-connector", field="connector", parse=str, used_by=ENGINE, choices=("redis", "shm"),
+         env="KV_CONNECTOR", help="how KV moves from prefill to decode engines: redis (ps:kv:{request_id}) or shm "
+                                  "(files in --kv-shm-dir, engines of one host)"),
+    Flag(name="--kv-transfer-ttl", field="ttl_s", parse=float, used_by=ENGINE,
+         help="seconds a saved KV entry waits for its decode engine before it is dropped"),
+    Flag(name="--kv-shm-dir", field="shm_dir", parse=str, used_by=ENGINE, help="the tmpfs of the shm KV connector"),
+    Flag(name="--kv-transfer-fault", field="fault", parse=str, used_by=frozenset({"engine"}),
+         help="test hook: comma-separated faults (delete, flip, foreign) a prefill engine applies in turn to the KV "
+              "entries it saves"),
     # serve: the stack's shape
     Flag(name="--gateways", field="num_gateways", parse=int, used_by=frozenset({"serve"}),
          help="gateway processes sharing the port (SO_REUSEPORT), each with its own reply stream"),
     Flag(name="--tokenizers", field="num_tokenizers", parse=int, used_by=frozenset({"serve"})),
     Flag(name="--detokenizers", field="num_detokenizers", parse=int, used_by=frozenset({"serve"})),
+    Flag(name="--pd", field="pd", parse=None, used_by=frozenset({"serve"}),
+         help="prefill/decode disaggregation: prefill engines and decode engines, each on CPUs of its own"),
+    Flag(name="--prefill-engines", field="num_prefill_engines", parse=int, used_by=frozenset({"serve"}),
+         help="with --pd: how many prefill engines"),
+    Flag(name="--decode-engines", field="num_decode_engines", parse=int, used_by=frozenset({"serve"}),
+         help="with --pd: how many decode engines"),
     Flag(name="--engine-nice", field="engine_nice", parse=int, used_by=frozenset({"serve"}),
          help="run the engine at this niceness"),
     Flag(name="--engine-sched", field="engine_sched", parse=str, used_by=frozenset({"serve"}),

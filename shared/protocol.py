@@ -158,6 +158,11 @@ class EngineRequest(Message):
     # failover: outputs already delivered, which the engine re-prefills after the prompt and goes on from
     resumed_token_ids: tuple[int, ...] = ()
     resumed_seq: int = 0  # the seq its first TokenDelta carries (the dead engine's deltas came before)
+    # P/D: a prefill engine's hand-off to ps:decode:in (resumed_token_ids then hold the first token):
+    # the handle of the KV it saved for the first num_kv_tokens tokens (None: saving failed, recompute)
+    kv_handle: str | None = None
+    num_kv_tokens: int = 0
+    prefill_engine_id: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -277,6 +282,13 @@ class StreamNames:
     def engine_ctl(self) -> str:
         return f"{self.prefix}:engine:ctl"
 
+    @property
+    def decode_in(self) -> str:
+        return f"{self.prefix}:decode:in"
+
+    def kv(self, request_id: str) -> str:
+        return f"{self.prefix}:kv:{request_id}"
+
     def detok_in(self, shard: int) -> str:
         return f"{self.prefix}:detok:in:{shard}"
 
@@ -294,6 +306,7 @@ class StreamNames:
 
 GROUP_TOKENIZER = "tokenizer"
 GROUP_ENGINE = "engine"
+GROUP_DECODE = "decode"
 
 
 def check_deadline(deadline: float) -> float:
