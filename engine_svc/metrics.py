@@ -58,6 +58,25 @@ class EngineMetrics:
             "nothing computed; running: some computed)", extra=("phase",))
         self.num_requests_expired = {phase: expired.labels(*self.labels, phase) for phase in EXPIRY_PHASES}
         self._prefix_cache_seen = (0, 0)
+        # P/D: the KV connector's cumulative counts (engine.stats()'s kv_* keys), as counters
+        kv = SeriesMaker(self.registry, ["model_name", "engine"])
+        moved = kv.counter("kv_transfer_bytes", "KV bytes moved between engines (saved: prefill side, loaded: decode "
+                                                "side)", extra=("direction",))
+        seconds = kv.counter("kv_transfer_seconds", "Time spent moving KV (save: gather and store; load: fetch, check "
+                                                    "and scatter)", extra=("direction",))
+        requests = kv.counter("kv_transfer_requests", "Requests whose KV was saved or loaded", extra=("direction",))
+        fallbacks = kv.counter("kv_transfer_fallbacks", "Hand-offs whose KV could not be loaded, recomputed instead",
+                               extra=("reason",))
+        self._kv_counters = {"kv_bytes_saved": moved.labels(*self.labels, "saved"),
+                             "kv_bytes_loaded": moved.labels(*self.labels, "loaded"),
+                             "kv_save_seconds": seconds.labels(*self.labels, "save"),
+                             "kv_load_seconds": seconds.labels(*self.labels, "load"),
+                             "kv_num_saved": requests.labels(*self.labels, "saved"),
+                             "kv_num_loaded": requests.labels(*self.labels, "loaded")}
+        self._kv_fallbacks = fallbacks
+        self.kv_save_failures = SeriesMaker(self.registry, ["model_name", "engine"], self.labels).counter(
+            "kv_transfer_save_failures", "Hand-offs whose KV could not be saved (the decode side recomputes)")
+        self._kv_seen: dict[str, float] = {}
 
     def record(self, stats: IterationStats, engine_stats: dict[str, float]) -> None:
         """One account of the scheduler (``take_stats()``) and the engine's current state (``stats()``)."""
@@ -79,6 +98,7 @@ class EngineMetrics:
             self.num_preemptions.inc(stats.num_preemptions)
         for phase, num in stats.num_expired.items():
             self.num_requests_expired[phase].inc(num)
+        self._record_kv(engine_stats)
         for num_tokens in stats.step_tokens:
             self.iteration_tokens.observe(num_tokens)
         for n, max_tokens in stats.admitted:
@@ -86,6 +106,22 @@ class EngineMetrics:
             self.params_max_tokens.observe(max_tokens)
         for seq in stats.finished:
             self._observe_finished(seq)
+
+    def _record_kv(self, engine_stats: dict[str, float]) -> None:
+        """The connector keeps totals: each counter takes what is new."""
+        for key, value in engine_stats.items():
+            if not key.startswith("kv_"):
+                continue
+            new = value - self._kv_seen.get(key, 0.0)
+            if new <= 0:
+                continue
+            self._kv_seen[key] = value
+            if key in self._kv_counters:
+                self._kv_counters[key].inc(new)
+            elif key.startswith("kv_fallbacks_"):
+                self._kv_fallbacks.labels(*self.labels, key.removeprefix("kv_fallbacks_")).inc(new)
+            elif key == "kv_num_save_failures":
+                self.kv_save_failures.inc(new)
 
     def _observe_finished(self, seq: FinishedSequence) -> None:
         """A sequence that produced a token is observed in every per-sequence histogram; one that

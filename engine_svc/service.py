@@ -13,6 +13,14 @@ holds ends with one 503 error -- sent to its detok shard and straight to its gat
 running on with a hole in its text. After each turn of the loop the
 scheduler's account (``take_stats()``) feeds this engine's Prometheus figures (served on
 ``--metrics-port``), its status line and, with tracing on, the spans of finished sequences.
+
+P/D (``--role``): a prefill engine reads ``ps:engine:in`` and, after the step that samples a
+request's first token, publishes that token's delta as usual and then the request itself, with
+its KV handle, to ``ps:decode:in`` (group ``decode``), which decode engines read instead of
+``ps:engine:in``. A decode engine's Admission tells the detok shard who holds the request now. An
+abort that reaches the prefill engine after the hand-off deletes the KV entry; one that reaches
+the decode engine first (or a refusal there) closes the request at its detok shard, which holds
+its state since the first token.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from engine_svc.metrics import EngineMetrics
 from shared.config import EngineServiceConfig
 from shared.logs import StatusLine, configure_logging
 from shared.models import served_model_name
-from shared.protocol import (GROUP_ENGINE, Abort, EngineRequest, ErrorInfo, FinishReason, Message, ProtocolError,
+from shared.protocol import (GROUP_DECODE, GROUP_ENGINE, Abort, EngineRequest, ErrorInfo, FinishReason, Message, ProtocolError,
                              RequestOutput, TokenDelta, detok_shard, is_expired)
 from shared.heartbeat import HeartbeatWriter
 from shared.lifecycle import run_until_signalled
@@ -76,7 +84,9 @@ class EngineService:
         # a step's deltas for a shard share entries: a shard has one reader (and gateways read their own)
         self.to_detok = Producer(self.client, config.bus.maxlen, batch=True,  # and errors to gateways
                                  per_entry=config.deltas_per_entry, signer=config.bus.signer)
-        self.from_tokenizer = GroupReader(self.client, names.engine_in, GROUP_ENGINE, config.service_id,
+        # a decode engine's requests come from the prefill engines (P/D), everyone else's from the tokenizers
+        intake, group = (names.decode_in, GROUP_DECODE) if config.role == "decode" else (names.engine_in, GROUP_ENGINE)
+        self.from_tokenizer = GroupReader(self.client, intake, group, config.service_id,
                                           claim_idle_ms=config.claim_idle_ms, dlq=names.dlq,
                                           producer=self.to_detok, accept=(EngineRequest,), signer=config.bus.signer)
         lookback_ms = int((time.time() - config.ctl_lookback_s) * 1000)
@@ -86,6 +96,9 @@ class EngineService:
                                          config.heartbeat_s, ttl_s=config.bus.heartbeat_ttl_s)
         self.outbox = Outbox(self.to_detok, self.from_tokenizer)  # admissions are acked once they are out
         self.reply_to: dict[str, str] = {}  # request id -> its gateway's stream, while the engine holds it
+        self.held: dict[str, EngineRequest] = {}  # prefill role: each request as admitted, for its hand-off
+        # prefill role: request id -> (KV handle, when handed off), kept for the KV lease: an abort deletes the entry
+        self.handed_off: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._num_losses = 0  # bus losses (HeartbeatWriter.num_losses) already answered
         self.finished = RecentIds(keep_s=config.ctl_lookback_s)
         self.aborted = RecentIds(keep_s=config.ctl_lookback_s)  # aborts that arrived before their request
@@ -98,6 +111,7 @@ class EngineService:
         self.totals = {"prompt_tokens": 0.0, "generation_tokens": 0.0, "prefix_cache_queries": 0.0,
                        "prefix_cache_hits": 0.0}
         self._engine_stats: dict[str, float] = {}
+        self._next_sweep = 0.0
         self.status = StatusLine(log, config.telemetry.status_log_s, lambda: self.totals, self._describe)
 
     # ----------------------------------------------------------------- the loop
@@ -125,6 +139,9 @@ class EngineService:
             # admitted (or refused): acked once that is out, before a long step
             self.outbox.put([item for env in envelopes for item in self.admit(env.msg)], acks=envelopes)
             self.reply_to.update((env.msg.request_id, env.msg.reply_to) for env in envelopes
+                                 if self.engine.has_request(env.msg.request_id))
+            if self.config.role == "prefill":
+                self.held.update((env.msg.request_id, env.msg) for env in envelopes
                                  if self.engine.has_request(env.msg.request_id))
             if not self.outbox.flush():
                 return
@@ -165,13 +182,16 @@ class EngineService:
         # then add_request refuses it, and counts it as expired)
         if rid in self.aborted and not is_expired(req.deadline, time.time()):
             self.finished.add(rid)
+            if req.prefill_engine_id:  # handed off: its detok shard holds it since the first token
+                return self._close_handed_off(req, FinishReason.ABORT)
             return [(req.reply_to, RequestOutput(request_id=rid, finish_reason=FinishReason.ABORT,
                                                  num_choices=req.sampling.n))]
         arrival = self.engine.scheduler.clock()  # the request's queued time, and its span's start
         try:
             admission = self.engine.add_request(rid, req.prompt_token_ids, req.sampling, cache_salt=req.cache_salt,
                                                 arrival_time=arrival, deadline=req.deadline,
-                                                resumed_token_ids=req.resumed_token_ids, resumed_seq=req.resumed_seq)
+                                                resumed_token_ids=req.resumed_token_ids, resumed_seq=req.resumed_seq,
+                                                kv_handle=req.kv_handle, num_kv_tokens=req.num_kv_tokens)
         except ProtocolError as exc:
             code = getattr(exc, "code", 400)
             error = ErrorInfo(message=exc.message, param=exc.param, code=code,
@@ -192,12 +212,49 @@ class EngineService:
 
     def _refuse(self, req: EngineRequest, error: ErrorInfo) -> list[tuple[str, Message]]:
         self.finished.add(req.request_id)
+        if req.prefill_engine_id:
+            return self._close_handed_off(req, FinishReason.ERROR, error)
         return [(req.reply_to, RequestOutput(request_id=req.request_id, finish_reason=FinishReason.ERROR,
                                              num_choices=req.sampling.n, error=error))]
+
+    def _close_handed_off(self, req: EngineRequest, reason: FinishReason,
+                          error: ErrorInfo | None = None) -> list[tuple[str, Message]]:
+        """A hand-off this engine will not run: its KV entry goes, and its detok shard (which took
+        its first token) gets the final delta and answers the gateway."""
+        if req.kv_handle is not None:
+            self.engine.drop_kv([req.kv_handle])
+        return [(self._detok_stream(req.request_id), TokenDelta(
+            request_id=req.request_id, seq=req.resumed_seq, finish_reason=int(reason), error=error,
+            num_prompt_tokens=len(req.prompt_token_ids), num_choices=req.sampling.n))]
+
+    def _hand_offs(self) -> list[tuple[str, Message]]:
+        """Prefill role: each request the step handed off goes to the decode engines, after its
+        first token's delta (the caller puts it after the step's deltas)."""
+        out: list[tuple[str, Message]] = []
+        now = time.monotonic()
+        for h in self.engine.take_handoffs():
+            req = self.held.pop(h.request_id)
+            self.finished.add(h.request_id)
+            self.reply_to.pop(h.request_id, None)
+            if h.kv_handle is not None:
+                self.handed_off[h.request_id] = (h.kv_handle, now)
+            span = self.spans.pop(h.request_id, None)
+            if span is not None:
+                span.add_event("handed_off")
+                span.end()
+            out.append((self.names.decode_in, dataclasses.replace(
+                req, resumed_token_ids=h.output_token_ids, resumed_seq=h.next_seq, kv_handle=h.kv_handle,
+                num_kv_tokens=h.num_kv_tokens, prefill_engine_id=self.config.service_id)))
+        lease = self.config.kv_transfer.ttl_s
+        while self.handed_off and now - next(iter(self.handed_off.values()))[1] > lease:
+            self.handed_off.popitem(last=False)  # loaded or expired by now
+        return out
 
     def apply_aborts(self, envelopes) -> None:
         ids = [rid for env in envelopes if isinstance(env.msg, Abort) for rid in env.msg.request_ids]
         for rid in ids:
+            if rid in self.handed_off:  # its decode engine may not have loaded it yet
+                self.engine.drop_kv([self.handed_off.pop(rid)[0]])
             if rid not in self.finished and not self.engine.has_request(rid):
                 self.aborted.add(rid)
         if ids:
@@ -210,12 +267,13 @@ class EngineService:
             log.exception("engine step failed")
             deltas = self.engine.fail_all(ErrorInfo(message=f"engine error: {type(exc).__name__}: {exc}"[:500],
                                                     type="InternalServerError", code=500))
-        return [self._publish(delta) for delta in deltas]
+        return [self._publish(delta) for delta in deltas] + self._hand_offs()
 
     def _publish(self, delta: TokenDelta) -> tuple[str, Message]:
         if delta.finish_reason is not None and not self.engine.has_request(delta.request_id):
             self.finished.add(delta.request_id)
             self.reply_to.pop(delta.request_id, None)
+            self.held.pop(delta.request_id, None)
         return self._detok_stream(delta.request_id), delta
 
     # ----------------------------------------------------------------- metrics, status, traces
@@ -223,6 +281,10 @@ class EngineService:
         """The scheduler's account since the last turn, into the metrics, the totals and the spans."""
         stats = self.engine.take_stats()
         self._engine_stats = engine_stats = self.engine.stats()
+        sweep = getattr(self.engine.connector, "sweep", None)  # a store without a TTL of its own (shm)
+        if sweep is not None and time.monotonic() >= self._next_sweep:
+            self._next_sweep = time.monotonic() + 10.0
+            sweep()
         self.metrics.record(stats, engine_stats)
         self.totals["prompt_tokens"] += stats.num_prompt_tokens
         self.totals["generation_tokens"] += stats.num_generation_tokens
@@ -287,7 +349,14 @@ def main(config: EngineServiceConfig) -> None:
 
     configure_logging("engine", config.telemetry)
     started = time.monotonic()
-    engine = LLMEngine(config.engine, record_decode_steps=config.telemetry.collect_detailed_traces)
+    engine = LLMEngine(config.engine, record_decode_steps=config.telemetry.collect_detailed_traces, role=config.role)
+    if config.role != "both":
+        from engine_svc.kv_transfer import make_connector
+
+        model_id = served_model_name(config.engine.served_model_name, config.engine.model)
+        engine.connector = make_connector(config.kv_transfer, engine.runner.kv_caches, model_id,
+                                          prefix=config.bus.prefix,
+                                          client=connect(config.bus.redis_url, **config.bus.redis_auth))
     log.info("engine loaded in %.1fs: %s", time.monotonic() - started, engine.stats())
     service = EngineService(config, engine, tracing=make_tracing("engine", config.telemetry))
     if config.metrics_port:

@@ -37,8 +37,8 @@ from shared.config import RestartConfig, ServeConfig
 from shared.heartbeat import read_heartbeats
 from shared.lifecycle import RestartTracker, wait_http
 from shared.models import resolve_model
-from shared.placement import bus_cpus, pin
-from shared.protocol import GROUP_ENGINE, StreamNames
+from shared.placement import bus_cpus, engine_cpus, pin
+from shared.protocol import GROUP_DECODE, GROUP_ENGINE, StreamNames
 from shared.redis_server import RedisAcl, RedisServer, die_with_parent
 
 MODULES = {"gateway": "gateway", "tokenizer": "tokenizer_svc", "engine": "engine_svc", "detok": "detok_svc"}
@@ -168,11 +168,27 @@ def build_children(config: ServeConfig, redis_url: str, model: str) -> list[Chil
                        cpus=cpus.get(f"gateway-{i}")) for i in range(config.num_gateways)]
     children += [_child(f"tokenizer-{i}", "tokenizer", own("tokenizer", service_id=f"tokenizer-{i}"),
                         cpus=cpus.get("tokenizer")) for i in range(config.num_tokenizers)]
-    children.append(_child("engine", "engine", own("engine", service_id="engine-0"), fresh_identity=True,
-                           nice=config.engine_nice, sched_idle=config.engine_sched == "idle"))
+    children += _engines(config, own)
     children += [_child(f"detok-{k}", "detok", own("detok", shard=k, service_id=f"detok-{k}"),
                         cpus=cpus.get(f"detok-{k}")) for k in range(config.num_detokenizers)]
     return children
+
+
+def _engines(config: ServeConfig, own) -> list[Child]:
+    """One engine on every CPU; with --pd, prefill engines then decode engines, each on CPUs of its own."""
+    idle = config.engine_sched == "idle"
+    if not config.pd:
+        return [_child("engine", "engine", own("engine", service_id="engine-0"), fresh_identity=True,
+                       nice=config.engine_nice, sched_idle=idle)]
+    if config.num_prefill_engines < 1 or config.num_decode_engines < 1:
+        raise SystemExit("--pd needs at least one prefill and one decode engine")
+    roles = ["prefill"] * config.num_prefill_engines + ["decode"] * config.num_decode_engines
+    cpus = engine_cpus(len(roles))
+    names = [f"engine-{role[0]}{i}" for role in ("prefill", "decode")
+             for i in range(roles.count(role))]  # engine-p0, ..., engine-d0, ...
+    return [_child(name, "engine", own("engine", service_id=name, role=role), fresh_identity=True,
+                   nice=config.engine_nice, sched_idle=idle, cpus=cpus[k])
+            for k, (name, role) in enumerate(zip(names, roles))]
 
 
 class BusView:
@@ -204,17 +220,20 @@ class BusView:
 
     def hand_over(self, dead: str, successor: str) -> int:
         """Move the dead engine consumer's pending entries to its successor (which reads its own
-        pending entries first) and forget the dead consumer; how many moved."""
-        stream = self.names.engine_in
-        try:
-            pending = self.client.xpending_range(stream, GROUP_ENGINE, "-", "+", 100_000, consumername=dead)
-            ids = [p["message_id"] for p in pending]
-            if ids:
-                self.client.xclaim(stream, GROUP_ENGINE, successor, 0, ids, justid=True)
-            self.client.xgroup_delconsumer(stream, GROUP_ENGINE, dead)
-            return len(ids)
-        except redis.RedisError:
-            return 0
+        pending entries first) and forget the dead consumer; how many moved. A decode engine's
+        are in ps:decode:in (P/D)."""
+        moved = 0
+        for stream, group in ((self.names.engine_in, GROUP_ENGINE), (self.names.decode_in, GROUP_DECODE)):
+            try:
+                pending = self.client.xpending_range(stream, group, "-", "+", 100_000, consumername=dead)
+                ids = [p["message_id"] for p in pending]
+                if ids:
+                    self.client.xclaim(stream, group, successor, 0, ids, justid=True)
+                    moved += len(ids)
+                self.client.xgroup_delconsumer(stream, group, dead)
+            except redis.RedisError:
+                pass  # no such group (yet): nothing of the dead engine's there
+        return moved
 
     def close(self) -> None:
         self.client.close()

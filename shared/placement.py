@@ -9,6 +9,9 @@ and the gateway then take turns on one CPU while the other runs the engine, and 
 nearly twice as long. ``spread`` gives each gateway and each detok shard a CPU of its own where
 there are CPUs enough (gateways from the last CPU down, then detok shards), and Redis and the
 tokenizers the detok shards' CPUs; on one CPU nothing is pinned.
+
+P/D (`serve --pd`): each engine gets CPUs of its own (``engine_cpus``), so that a prefill
+engine's long steps never take a decode engine's cores.
 """
 
 from __future__ import annotations
@@ -43,3 +46,17 @@ def pin(pid: int, cpus: set[int] | None) -> None:
             os.sched_setaffinity(pid, cpus)
         except OSError:
             pass
+
+
+def engine_cpus(num_engines: int, cpus: list[int] | None = None) -> list[set[int]]:
+    """P/D: each engine's CPUs, the machine's split into ``num_engines`` contiguous parts (the last
+    takes the remainder); with more engines than CPUs, engines share them round-robin."""
+    if num_engines < 1:
+        raise ValueError(f"need at least one engine, got {num_engines}")
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if num_engines >= len(cpus):
+        return [{cpus[i % len(cpus)]} for i in range(num_engines)]
+    size = len(cpus) // num_engines
+    parts = [set(cpus[i * size:(i + 1) * size]) for i in range(num_engines)]
+    parts[-1] |= set(cpus[num_engines * size:])
+    return parts

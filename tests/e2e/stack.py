@@ -3,6 +3,8 @@
 ``Stack`` starts ``python -m gateway``, N ``python -m tokenizer_svc``, ``python -m engine_svc`` and
 ``python -m detok_svc`` under a fresh key prefix, waits for /health, and stops them all (SIGTERM,
 then SIGKILL) -- no orphans. ``assert_idle()`` is the idle invariant every test ends with.
+With ``pd``, a prefill engine (engine-p0) and a decode engine (engine-d0) replace engine-0, and the
+idle invariant covers both, their hand-off stream and the KV keys (none may be left).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import httpx
 import redis
 
 from shared.heartbeat import parse_heartbeats
-from shared.protocol import GROUP_ENGINE, GROUP_TOKENIZER, Heartbeat, StreamNames
+from shared.protocol import GROUP_DECODE, GROUP_ENGINE, GROUP_TOKENIZER, Heartbeat, StreamNames
 from shared.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,6 +72,13 @@ class Stack:
     port: int = field(default_factory=free_port)
     engine_metrics_port: int = field(default_factory=free_port)  # the engine's own /metrics
     services: list[Service] = field(default_factory=list)
+    pd: bool = False  # prefill/decode disaggregation: engine-p0 and engine-d0 instead of engine-0
+    prefill_args: list[str] = field(default_factory=list)  # pd: the prefill engine's own extra flags
+    decode_metrics_port: int = field(default_factory=free_port)  # pd: the decode engine's /metrics
+
+    @property
+    def engine_ids(self) -> list[str]:
+        return ["engine-p0", "engine-d0"] if self.pd else ["engine-0"]
 
     @property
     def names(self) -> StreamNames:
@@ -109,8 +118,14 @@ class Stack:
     def start(self, timeout_s: float = 240.0) -> Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = self._env()
-        self._add("engine", "engine_svc", "--service-id", "engine-0", "--metrics-port",
-                  str(self.engine_metrics_port), *self.engine_args)
+        if self.pd:
+            self._add("engine-p0", "engine_svc", "--service-id", "engine-p0", "--role", "prefill", "--metrics-port",
+                      str(self.engine_metrics_port), *self.engine_args, *self.prefill_args)
+            self._add("engine-d0", "engine_svc", "--service-id", "engine-d0", "--role", "decode", "--metrics-port",
+                      str(self.decode_metrics_port), *self.engine_args)
+        else:
+            self._add("engine", "engine_svc", "--service-id", "engine-0", "--metrics-port",
+                      str(self.engine_metrics_port), *self.engine_args)
         for i in range(self.num_tokenizers):
             self._add(f"tokenizer-{i}", "tokenizer_svc", "--service-id", f"tokenizer-{i}")
         self._add("detok-0", "detok_svc", "--shard", "0", "--service-id", "detok-0")
@@ -129,6 +144,8 @@ class Stack:
         """Until /health is 200 and every tokenizer and detok has written a heartbeat."""
         deadline = time.monotonic() + timeout_s
         wanted = {f"tokenizer-{i}" for i in range(self.num_tokenizers)} | {"detok-0"}
+        if self.pd:
+            wanted |= set(self.engine_ids)
         while time.monotonic() < deadline:
             dead = [s for s in self.services if not s.is_alive]
             if dead:
@@ -182,8 +199,9 @@ class Stack:
         """Pending entries of every consumer group of this stack."""
         out = {}
         with self.redis() as client:
-            for stream, group in ((self.names.tokenizer_in, GROUP_TOKENIZER), (self.names.engine_in, GROUP_ENGINE),
-                                  (self.names.detok_in(0), "detok")):
+            streams = [(self.names.tokenizer_in, GROUP_TOKENIZER), (self.names.engine_in, GROUP_ENGINE),
+                       (self.names.detok_in(0), "detok")]
+            for stream, group in streams + ([(self.names.decode_in, GROUP_DECODE)] if self.pd else []):
                 try:
                     for info in client.xinfo_groups(stream):
                         out[f"{stream}/{info['name'].decode()}"] = int(info["pending"])
@@ -196,16 +214,19 @@ class Stack:
         beats = self.heartbeats()
         problems = [f"{k}: no heartbeat since the check began" for k, b in beats.items()
                     if b.service in ("engine", "detok", "gateway") and b.time < since]
-        engine = beats.get("engine-0")
-        if engine is None:
-            problems.append("no engine heartbeat")
-        else:
+        for engine_id in self.engine_ids:
+            engine = beats.get(engine_id)
+            if engine is None:
+                problems.append(f"no {engine_id} heartbeat")
+                continue
             s = engine.stats
             if s.get("num_free_blocks") != s.get("num_total_blocks"):
-                problems.append(f"engine blocks in use: {s.get('num_free_blocks')}/{s.get('num_total_blocks')} free")
+                problems.append(f"{engine_id} blocks in use: {s.get('num_free_blocks')}/{s.get('num_total_blocks')} free")
             for key in ("num_running", "num_waiting", "num_requests"):
                 if s.get(key, 0):
-                    problems.append(f"engine {key}={s[key]:g}")
+                    problems.append(f"{engine_id} {key}={s[key]:g}")
+        with self.redis() as client:
+            problems += [f"KV entry left: {k.decode()}" for k in client.scan_iter(match=f"{self.prefix}:kv:*")]
         for service_id, beat in beats.items():
             if beat.service in ("detok", "gateway") and beat.stats.get("num_requests", 0):
                 problems.append(f"{service_id} holds {beat.stats['num_requests']:g} requests")

@@ -1,0 +1,158 @@
+"""Prefill/decode disaggregation end to end: the stack with a prefill engine (engine-p0) and a
+decode engine (engine-d0) as real processes on a real redis-server, KV handed over through Redis.
+
+Greedy text equals the unified in-process engine's (float32: its tokens do not depend on how
+requests are batched), prefix-cache hits included; the decode engine's counters show every
+hand-off loaded (exact counts); spoiled entries (the prefill engine's test hook) are recomputed to
+the same text and counted by reason; n > 1 stays on the prefill engine; a client that leaves
+between the hand-off and the decode engine's load leaves nothing behind. Every test ends with the
+idle invariant on both engines, no entry pending in ps:decode:in and no ps:kv:* key left.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from shared.protocol import SamplingParams
+from tests.e2e.conftest import TINY_ENGINE_ARGS, TINY_MAX_MODEL_LEN, openai_client
+from tests.e2e.stack import Stack
+
+ENGINE_ARGS = [*TINY_ENGINE_ARGS, "--dtype", "float32"]
+WORDS = "the quick brown fox jumps over a lazy dog while seven red birds sing songs about rivers and hills".split()
+SHARED = " ".join(WORDS * 3)  # a long common beginning: prefix-cache hits on the prefill engine
+PROMPTS = [" ".join(WORDS[i:i + 3 + i % 5]) for i in range(8)] + [f"{SHARED} number {i}" for i in range(8)]
+MAX_TOKENS = 8
+
+
+def start_pd_stack(redis_url, model_dir, log_dir, prefill_args=()) -> Stack:
+    return Stack(redis_url, model_dir, log_dir, pd=True, max_model_len=TINY_MAX_MODEL_LEN, engine_args=ENGINE_ARGS,
+                 prefill_args=list(prefill_args)).start()
+
+
+@pytest.fixture(scope="module")
+def pd_stack(redis_url, tiny_llama_dir, tmp_path_factory):
+    stack = start_pd_stack(redis_url, tiny_llama_dir, tmp_path_factory.mktemp("pd-logs"))
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture
+def stack(pd_stack):
+    yield pd_stack
+    pd_stack.assert_idle()
+
+
+@pytest.fixture(scope="module")
+def reference_engine(tiny_llama_dir):
+    from engine_svc import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig(enforce_eager=True, model=str(tiny_llama_dir), max_model_len=TINY_MAX_MODEL_LEN,
+                                  kv_cache_memory=64 << 20, dtype="float32"))
+
+
+def reference(engine, prompts, **params) -> list[str]:
+    results = engine.generate(prompts, SamplingParams(temperature=0.0, **params))
+    return [r.outputs[0].text for r in results]
+
+
+def beat(stack: Stack, engine_id: str, since: float) -> dict[str, float]:
+    """The engine's stats from a heartbeat written after ``since``."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        b = stack.heartbeats().get(engine_id)
+        if b is not None and b.time > since:
+            return b.stats
+        time.sleep(0.2)
+    raise AssertionError(f"no fresh heartbeat from {engine_id}")
+
+
+def complete_all(stack: Stack, prompts: list[str], **kw) -> list:
+    client = openai_client(stack)
+    body = {"ignore_eos": True, **kw.pop("extra_body", {})}
+    with ThreadPoolExecutor(8) as pool:  # concurrent: prefills and decodes overlap
+        return list(pool.map(lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=MAX_TOKENS,
+                                                                 temperature=0, extra_body=body, **kw), prompts))
+
+
+def test_greedy_text_through_prefill_and_decode_equals_the_unified_engine(stack, reference_engine):
+    expected = reference(reference_engine, PROMPTS, max_tokens=MAX_TOKENS, ignore_eos=True)
+    before = beat(stack, "engine-d0", time.time())
+    first = complete_all(stack, PROMPTS)
+    assert [r.choices[0].text for r in first] == expected
+    assert all(r.usage.completion_tokens == MAX_TOKENS for r in first)
+    again = complete_all(stack, PROMPTS)  # now every full block of every prompt is cached at the prefill engine
+    assert [r.choices[0].text for r in again] == expected
+    assert all(r.usage.prompt_tokens_details and r.usage.prompt_tokens_details.cached_tokens > 0 for r in again[8:])
+    stream = openai_client(stack).completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=MAX_TOKENS,
+                                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in stream if c.choices) == expected[3]
+    stack.assert_idle()
+    after = beat(stack, "engine-d0", time.time())
+    # every request was handed off once and its KV loaded once: 2 x 16 + 1, no fallback
+    assert after["kv_num_loaded"] - before.get("kv_num_loaded", 0) == 33
+    assert after.get("kv_num_fallbacks", 0) == before.get("kv_num_fallbacks", 0)
+    prefill = beat(stack, "engine-p0", time.time())
+    assert prefill["kv_num_saved"] >= after["kv_num_loaded"] and prefill["kv_bytes_saved"] > 0
+    metrics = httpx.get(f"http://127.0.0.1:{stack.decode_metrics_port}/metrics", timeout=10).text
+    loaded = next(line for line in metrics.splitlines()
+                  if line.startswith("pagedserve:kv_transfer_requests_total") and 'direction="loaded"' in line)
+    assert float(loaded.rsplit(" ", 1)[1]) == after["kv_num_loaded"]
+
+
+def test_n_greater_than_one_stays_on_the_prefill_engine(stack, reference_engine):
+    expected = reference(reference_engine, PROMPTS[:1], max_tokens=MAX_TOKENS, ignore_eos=True)[0]
+    before = beat(stack, "engine-d0", time.time())
+    resp = openai_client(stack).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                                   temperature=0, n=2, extra_body={"ignore_eos": True})
+    assert [c.text for c in resp.choices] == [expected, expected]
+    stack.assert_idle()
+    assert beat(stack, "engine-d0", time.time()).get("kv_num_loaded", 0) == before.get("kv_num_loaded", 0)
+
+
+def test_a_client_leaving_between_prefill_and_decode_leaves_nothing(stack):
+    """The decode engine is frozen, so the request waits in ps:decode:in with its KV saved; its client
+    leaves after the first token. The prefill engine deletes the entry; the thawed decode engine
+    finds it gone, recomputes, meets the abort and frees everything."""
+    decode = stack.service("engine-d0")
+    decode.proc.send_signal(signal.SIGSTOP)
+    try:
+        with httpx.stream("POST", stack.base_url + "/v1/completions", timeout=30,
+                          json={"model": "tiny", "prompt": PROMPTS[9], "max_tokens": 200, "stream": True,
+                                "ignore_eos": True}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    break  # the first token, from the prefill engine
+        deadline = time.monotonic() + 10
+        with stack.redis() as client:
+            while time.monotonic() < deadline and list(client.scan_iter(match=f"{stack.prefix}:kv:*")):
+                time.sleep(0.1)
+            assert not list(client.scan_iter(match=f"{stack.prefix}:kv:*"))  # deleted by the prefill engine
+            assert client.xlen(stack.names.decode_in) >= 1  # the hand-off, waiting for the decode engine
+    finally:
+        decode.proc.send_signal(signal.SIGCONT)
+    stack.assert_idle(timeout_s=20)
+
+
+def test_spoiled_kv_entries_are_recomputed_to_the_same_text(redis_url, tiny_llama_dir, tmp_path, reference_engine):
+    """The prefill engine's test hook spoils its entries in turn: deleted, a flipped byte, a header
+    for another block size. The decode engine refuses each, counts it by reason, and recomputes."""
+    stack = start_pd_stack(redis_url, tiny_llama_dir, tmp_path, ["--kv-transfer-fault", "delete,flip,foreign"])
+    try:
+        prompts = PROMPTS[:3]
+        expected = reference(reference_engine, prompts, max_tokens=MAX_TOKENS, ignore_eos=True)
+        client = openai_client(stack)
+        texts = [client.completions.create(model="tiny", prompt=p, max_tokens=MAX_TOKENS, temperature=0,
+                                           extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+        assert texts == expected
+        stack.assert_idle()
+        stats = beat(stack, "engine-d0", time.time())
+        assert (stats["kv_fallbacks_missing"], stats["kv_fallbacks_corrupt"], stats["kv_fallbacks_mismatch"]) == (1, 1, 1)
+        assert stats["kv_num_fallbacks"] == 3 and stats.get("kv_num_loaded", 0) == 0
+    finally:
+        stack.stop()
+
