@@ -97,8 +97,9 @@ class EngineService:
         self.outbox = Outbox(self.to_detok, self.from_tokenizer)  # admissions are acked once they are out
         self.reply_to: dict[str, str] = {}  # request id -> its gateway's stream, while the engine holds it
         self.held: dict[str, EngineRequest] = {}  # prefill role: each request as admitted, for its hand-off
-        # prefill role: request id -> (KV handle, when handed off), kept for the KV lease: an abort deletes the entry
-        self.handed_off: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        # prefill role: request id -> (its KV handle until an abort deletes it, when handed off, the seq it went on
+        # from), kept --ctl-lookback seconds: a re-delivery is dropped, a failover's resubmission (a later seq) is not
+        self.handed_off: OrderedDict[str, tuple[str | None, float, int]] = OrderedDict()
         self._num_losses = 0  # bus losses (HeartbeatWriter.num_losses) already answered
         self.finished = RecentIds(keep_s=config.ctl_lookback_s)
         self.aborted = RecentIds(keep_s=config.ctl_lookback_s)  # aborts that arrived before their request
@@ -176,7 +177,8 @@ class EngineService:
     # ----------------------------------------------------------------- handlers
     def admit(self, req: EngineRequest) -> list[tuple[str, Message]]:
         rid = req.request_id
-        if rid in self.finished or self.engine.has_request(rid):
+        if rid in self.finished or self.engine.has_request(rid) or (
+                rid in self.handed_off and req.resumed_seq < self.handed_off[rid][2]):
             return []  # a re-delivery: already admitted
         # its client left before it got here: close it, admit nothing (past its deadline as well:
         # then add_request refuses it, and counts it as expired)
@@ -234,10 +236,9 @@ class EngineService:
         now = time.monotonic()
         for h in self.engine.take_handoffs():
             req = self.held.pop(h.request_id)
-            self.finished.add(h.request_id)
             self.reply_to.pop(h.request_id, None)
-            if h.kv_handle is not None:
-                self.handed_off[h.request_id] = (h.kv_handle, now)
+            self.handed_off[h.request_id] = (h.kv_handle, now, h.next_seq)
+            self.handed_off.move_to_end(h.request_id)
             span = self.spans.pop(h.request_id, None)
             if span is not None:
                 span.add_event("handed_off")
@@ -245,16 +246,18 @@ class EngineService:
             out.append((self.names.decode_in, dataclasses.replace(
                 req, resumed_token_ids=h.output_token_ids, resumed_seq=h.next_seq, kv_handle=h.kv_handle,
                 num_kv_tokens=h.num_kv_tokens, prefill_engine_id=self.config.service_id)))
-        lease = self.config.kv_transfer.ttl_s
-        while self.handed_off and now - next(iter(self.handed_off.values()))[1] > lease:
-            self.handed_off.popitem(last=False)  # loaded or expired by now
+        keep_s = max(self.config.ctl_lookback_s, self.config.kv_transfer.ttl_s)
+        while self.handed_off and now - next(iter(self.handed_off.values()))[1] > keep_s:
+            self.handed_off.popitem(last=False)
         return out
 
     def apply_aborts(self, envelopes) -> None:
         ids = [rid for env in envelopes if isinstance(env.msg, Abort) for rid in env.msg.request_ids]
         for rid in ids:
-            if rid in self.handed_off:  # its decode engine may not have loaded it yet
-                self.engine.drop_kv([self.handed_off.pop(rid)[0]])
+            handle, when, seq = self.handed_off.get(rid, (None, 0.0, 0))
+            if handle is not None:  # its decode engine may not have loaded it yet
+                self.engine.drop_kv([handle])
+                self.handed_off[rid] = (None, when, seq)
             if rid not in self.finished and not self.engine.has_request(rid):
                 self.aborted.add(rid)
         if ids:

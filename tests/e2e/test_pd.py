@@ -156,3 +156,75 @@ def test_spoiled_kv_entries_are_recomputed_to_the_same_text(redis_url, tiny_llam
     finally:
         stack.stop()
 
+
+
+def test_streams_of_a_killed_decode_engine_complete_on_another_with_the_same_text(redis_url, tiny_llama_dir,
+                                                                                  tmp_path):
+    """Two decode engines; the one generating four streams is frozen mid-stream and SIGKILLed. Its
+    requests fail over (the detok shard's Resume, README: Failover): the prefill engine re-prefills
+    each with its delivered tokens and hands it to the other decode engine; every stream completes
+    with the text of a fault-free run."""
+    import asyncio
+
+    import openai
+
+    stack = start_pd_stack(redis_url, tiny_llama_dir, tmp_path)
+    try:
+        other = stack.start_service("engine-d1", "engine_svc", "--service-id", "engine-d1", "--role", "decode",
+                                    *ENGINE_ARGS)
+        victim = stack.service("engine-d0")
+        deadline = time.monotonic() + 120
+        while "engine-d1" not in stack.heartbeats():
+            assert time.monotonic() < deadline, stack.logs()
+            time.sleep(0.25)
+
+        async def one(client, prompt: str, progress: list[int] | None = None) -> str:
+            stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=200, temperature=0,
+                                                     stream=True, extra_body={"ignore_eos": True})
+            parts = []
+            async for chunk in stream:
+                if chunk.choices:
+                    parts.append(chunk.choices[0].text)
+                    if progress is not None:
+                        progress[0] += 1
+            return "".join(parts)
+
+        async def scenario():
+            async with openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="x", max_retries=0,
+                                          timeout=300) as client:
+                prompts = [f"Story {i}:" for i in range(4)]
+                baseline = await asyncio.gather(*(one(client, p) for p in prompts))
+                other.signal(signal.SIGSTOP)  # only the victim takes the next hand-offs
+                try:
+                    await asyncio.sleep(1.5)  # the blocking read it may have left in Redis expires
+                    progress = [[0] for _ in prompts]
+                    tasks = [asyncio.ensure_future(one(client, p, progress[i])) for i, p in enumerate(prompts)]
+                    deadline = time.monotonic() + 60
+                    while not all(p[0] >= 5 for p in progress):
+                        assert time.monotonic() < deadline and not any(t.done() for t in tasks), stack.logs()
+                        await asyncio.sleep(0.02)
+                    victim.signal(signal.SIGSTOP)
+                    cut = [p[0] for p in progress]
+                finally:
+                    other.signal(signal.SIGCONT)
+                victim.signal(signal.SIGKILL)
+                return baseline, await asyncio.gather(*tasks, return_exceptions=True), cut
+
+        baseline, results, cut = asyncio.run(scenario())
+        assert not [r for r in results if isinstance(r, BaseException)], (results, stack.logs())
+        assert results == baseline
+        assert all(5 <= c < 100 for c in cut), cut  # cut early: the rest came from engine-d1
+        with stack.redis() as client:  # the dead engine's stale heartbeat is no request state
+            client.hdel(stack.names.heartbeat, "engine-d0")
+        deadline = time.monotonic() + 20
+        problems = ["not checked"]
+        while problems and time.monotonic() < deadline:
+            since = time.time()
+            time.sleep(1.2)
+            problems = [p for p in stack.idle_problems(since) if "engine-d0" not in p]
+        assert not problems, (problems, stack.logs())
+        d1 = stack.heartbeats()["engine-d1"].stats
+        assert d1["num_free_blocks"] == d1["num_total_blocks"] and d1["num_requests"] == 0
+        assert d1["kv_num_loaded"] >= 4  # the resumed requests came to it through the hand-off
+    finally:
+        stack.stop()
