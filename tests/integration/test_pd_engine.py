@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import tempfile
 
 import pytest
@@ -221,3 +222,21 @@ def test_abort_between_prefill_and_decode_leaves_nothing(tiny_llama_dir, kv_clie
     assert pd.decode.connector.stats.num_loaded == 2
     assert_engines_idle(pd.prefill, pd.decode)
     assert leftovers("redis", kv_client, prefix) == []
+
+
+def test_structured_outputs_go_on_under_their_grammar_across_the_handoff(default_model_dir, kv_client, prefix):
+    """The decode engine compiles the request's grammar, feeds it the first token, then loads."""
+    from shared.structured import StructuredOutputs
+
+    params = SamplingParams(temperature=0.0, max_tokens=20,
+                            structured_outputs=StructuredOutputs(regex=r"\d{4}-\d{2}-\d{2} at \d{2}:\d{2}"))
+    both = make_engine(default_model_dir, "float32", "both")
+    prompts = [both.tokenizer.encode(p) for p in ("The meeting is on ", "Write a date and a time: ")]
+    expected = unified(both, prompts, params)
+    pd = PD(make_engine(default_model_dir, "float32", "prefill", kv_client, prefix),
+            make_engine(default_model_dir, "float32", "decode", kv_client, prefix))
+    assert pd.run(prompts, params, "g") == expected
+    assert pd.decode.connector.stats.num_loaded == 2
+    texts = [both.tokenizer.decode(o[0], skip_special_tokens=True) for o in expected]
+    assert all(re.fullmatch(r"\d{4}-\d{2}-\d{2} at \d{2}:\d{2}", t) for t in texts), texts
+    assert_engines_idle(pd.prefill, pd.decode)
