@@ -161,7 +161,8 @@ def main() -> None:
     print(f"   model {model}; {args.streams} streams of {args.stream_max_tokens} tokens decoding while a "
           f"{args.long_tokens}-token prompt ({args.long_max_tokens} tokens out) arrives every {args.every:g} s; "
           f"{args.warmup:g} s warm-up, {args.seconds:g} s measured per stack")
-    stacks = {"unified": [], "pd-redis": ["--pd", "--kv-connector", "redis"], "pd-shm": ["--pd", "--kv-connector", "shm"]}
+    stacks = {"unified": [], "pd-redis": ["--pd", "--kv-connector", "redis"],
+              "pd-shm": ["--pd", "--kv-connector", "shm"]}
     log_dir = OUT_DIR / "pd-logs"
     results = {name: run_stack(name, flags, model, args, log_dir) for name, flags in stacks.items()
                if not args.only or name in args.only}

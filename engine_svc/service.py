@@ -36,8 +36,8 @@ from engine_svc.metrics import EngineMetrics
 from shared.config import EngineServiceConfig
 from shared.logs import StatusLine, configure_logging
 from shared.models import served_model_name
-from shared.protocol import (GROUP_DECODE, GROUP_ENGINE, Abort, EngineRequest, ErrorInfo, FinishReason, Message, ProtocolError,
-                             RequestOutput, TokenDelta, detok_shard, is_expired)
+from shared.protocol import (GROUP_DECODE, GROUP_ENGINE, Abort, EngineRequest, ErrorInfo, FinishReason, Message,
+                             ProtocolError, RequestOutput, TokenDelta, detok_shard, is_expired)
 from shared.heartbeat import HeartbeatWriter
 from shared.lifecycle import run_until_signalled
 from shared.group_reader import GroupReader

@@ -221,7 +221,8 @@ class Stack:
                 continue
             s = engine.stats
             if s.get("num_free_blocks") != s.get("num_total_blocks"):
-                problems.append(f"{engine_id} blocks in use: {s.get('num_free_blocks')}/{s.get('num_total_blocks')} free")
+                free, total = s.get("num_free_blocks"), s.get("num_total_blocks")
+                problems.append(f"{engine_id} blocks in use: {free}/{total} free")
             for key in ("num_running", "num_waiting", "num_requests"):
                 if s.get(key, 0):
                     problems.append(f"{engine_id} {key}={s[key]:g}")

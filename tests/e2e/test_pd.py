@@ -151,7 +151,8 @@ def test_spoiled_kv_entries_are_recomputed_to_the_same_text(redis_url, tiny_llam
         assert texts == expected
         stack.assert_idle()
         stats = beat(stack, "engine-d0", time.time())
-        assert (stats["kv_fallbacks_missing"], stats["kv_fallbacks_corrupt"], stats["kv_fallbacks_mismatch"]) == (1, 1, 1)
+        reasons = (stats["kv_fallbacks_missing"], stats["kv_fallbacks_corrupt"], stats["kv_fallbacks_mismatch"])
+        assert reasons == (1, 1, 1)
         assert stats["kv_num_fallbacks"] == 3 and stats.get("kv_num_loaded", 0) == 0
     finally:
         stack.stop()

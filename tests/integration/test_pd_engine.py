@@ -181,8 +181,9 @@ def test_seeded_sampling_and_logprobs_go_on_across_the_handoff(tiny_llama_dir, k
     assert_engines_idle(pd.prefill, pd.decode)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True),
-                                    SamplingParams(n=2, use_beam_search=True, temperature=0.0, max_tokens=MAX_TOKENS)],
+@pytest.mark.parametrize("params", [
+    SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True),
+    SamplingParams(n=2, use_beam_search=True, temperature=0.0, max_tokens=MAX_TOKENS)],
                          ids=["n3", "beam"])
 def test_n_and_beam_search_stay_on_the_prefill_engine(tiny_llama_dir, kv_client, prefix, params):
     prompts = make_prompts(seed=4, num=3)
