@@ -31,7 +31,7 @@ from gateway.renderer import ChatCompletionRenderer, TextCompletionRenderer
 from gateway.responder import Responder
 from gateway.submission import Submission
 from shared.config import GatewayConfig, GatewayLimits
-from shared.protocol import GenerateRequest, ProtocolError
+from shared.protocol import MAX_MESSAGE_BYTES, MAX_PROMPT_TOKENS, GenerateRequest, ProtocolError
 from shared.telemetry import CONTENT_TYPE_LATEST, GatewayMetrics, render_bus
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,8 @@ class Endpoints:
         for prompt in prompts:
             if isinstance(prompt, tuple):
                 self._check_prompt_len(len(prompt))
+            else:
+                self._check_prompt_chars(len(prompt), "prompt")
         response_id = f"cmpl-{uuid.uuid4().hex}"
         timeout_s = body.timeout_s(self.limits.idle_timeout_s)
         requests = [self._bus_request(f"{response_id}-{i}", params, timeout_s, echo=body.echo,
@@ -77,6 +79,7 @@ class Endpoints:
     async def chat_completions(self, request: Request):
         body = await self._parse(request, ChatCompletionRequest)
         messages = body.chat_messages()
+        self._check_prompt_chars(sum(len(m.content) for m in messages), "messages")
         tools = body.tool_policy(self.options)
         params = body.sampling_params(self.options, tools)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -95,6 +98,8 @@ class Endpoints:
     async def _submit(self, requests, renderer, body, echo_texts=None, headers=None) -> Responder:
         if self.ctx.num_in_flight >= self.limits.max_pending_requests:
             raise APIError(429, "too many requests in flight; retry later")
+        if self.limits.max_body_bytes > MAX_MESSAGE_BYTES // 2:  # else no message can be near the bus's limit
+            _check_message_sizes(requests)
         span, requests = self.ctx.trace_requests(requests, headers)  # (None, requests) with tracing off
         submission = Submission(self.ctx, requests, echo_texts=echo_texts, param_names=body.param_names())
         await submission.start()
@@ -109,7 +114,8 @@ class Endpoints:
         self.ctx.end_request(submission, status, reasons, span)
 
     async def _parse(self, request: Request, model: type[BaseModel]):
-        raw = await _read_body(request, self.limits.max_body_bytes)
+        _check_content_type(request)
+        raw = await _read_body(request, self.limits.max_body_bytes, self.limits.body_timeout_s)
         try:
             body = model.model_validate_json(raw or b"{}")
         except ValidationError as exc:
@@ -119,10 +125,20 @@ class Endpoints:
         return body
 
     def _check_prompt_len(self, num_tokens: int) -> None:
-        limit = self.config.max_model_len
+        limit = self.ctx.max_model_len
         if limit is not None and num_tokens >= limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your prompt "
                                 f"has {num_tokens} tokens, which leaves no room for output.", "prompt")
+        if num_tokens > MAX_PROMPT_TOKENS:  # max_model_len not known here yet: the bus's own limit
+            raise APIError(400, f"a prompt may hold at most {MAX_PROMPT_TOKENS} token ids", "prompt")
+
+    def _check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """A text that cannot fit max_model_len tokens is refused before it is published or tokenized
+        (known once the tokenizer is loaded: GatewayContext.max_prompt_chars)."""
+        limit = self.ctx.max_prompt_chars
+        if limit is not None and num_chars > limit:
+            raise APIError(400, f"This model's maximum context length is {self.ctx.max_model_len} tokens; a "
+                                f"prompt of {num_chars} characters cannot fit it (at most {limit}).", param)
 
     # ----------------------------------------------------------------- the rest
     async def models(self, request: Request) -> JSONResponse:
@@ -132,13 +148,13 @@ class Endpoints:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> JSONResponse:
-        try:
-            engines = await self.ctx.fresh_engines()
-        except Exception as exc:
-            raise APIError(503, f"Redis is unreachable: {exc}") from None
-        if not engines:
-            raise APIError(503, f"no engine heartbeat in the last {self.limits.heartbeat_max_age_s:g}s")
-        return JSONResponse({"status": "ok", "engines": [b.service_id for b in engines]})
+        """From the background poll's last reading, never a Redis call (gateway/health.py). The
+        live services' ids (hosts, pids) only for a caller with the API key."""
+        ready = self.ctx.readiness()
+        if not ready.is_ready:
+            raise APIError(503, ready.problem)
+        detail = {"services": list(ready.live)} if getattr(request.state, "is_authorized", False) else {}
+        return JSONResponse({"status": "ok", **detail})
 
     async def version(self, request: Request) -> JSONResponse:
         return JSONResponse({"version": _version()})
@@ -160,6 +176,10 @@ class Endpoints:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
         tokenizer = await self.ctx.tokenizer()
+        if body.prompt is not None:
+            self._check_prompt_chars(len(body.prompt), "prompt")
+        else:
+            self._check_prompt_chars(sum(len(m.to_message().content) for m in body.messages), "messages")
         if body.messages is not None:
             chat = [{"role": m.role, "content": m.to_message().content} for m in body.messages]
             text = await asyncio.to_thread(tokenizer.apply_chat_template, chat, tokenize=False,
@@ -192,17 +212,39 @@ def observe(metrics: GatewayMetrics, submission: Submission, status: int) -> lis
     return reasons
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+def _check_content_type(request: Request) -> None:
+    """A JSON endpoint takes application/json (or a +json type); a body sent as another type is
+    refused, not parsed anyway (a missing content type is read as JSON, as FastAPI does)."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type and media_type != "application/json" and not media_type.endswith("+json"):
+        raise APIError(415, f"Unsupported Media Type: Only 'application/json' is allowed, not '{media_type}'",
+                       "content-type")
+
+
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body exceeds {limit} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body exceeds {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):  # a half-sent body holds nothing past this
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"request body exceeds {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body was not received within {timeout_s:g}s",
+                       headers={"connection": "close"}) from None
     return b"".join(chunks)
+
+
+def _check_message_sizes(requests) -> None:
+    """Each GenerateRequest must fit the bus (MAX_MESSAGE_BYTES), or it could never be delivered."""
+    for r in requests:
+        size = len(r.to_wire())
+        if size > MAX_MESSAGE_BYTES:
+            raise APIError(413, f"the request is too large to serve ({size} bytes; at most {MAX_MESSAGE_BYTES})")
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:
@@ -214,7 +256,7 @@ async def _protocol_error(request: Request, exc: ProtocolError) -> Response:
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
-    return APIError(exc.status_code, str(exc.detail)).response()
+    return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:

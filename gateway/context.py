@@ -15,9 +15,10 @@ import redis.asyncio as aioredis
 from gateway.collector import Collector
 from gateway.config import gateway_id, served_model_name
 from gateway.errors import APIError
+from gateway.health import HealthPoller, Readiness, readiness
 from shared.config import GatewayConfig, GatewayLimits
 from shared.heartbeat import heartbeat_value, parse_heartbeats
-from shared.models import load_tokenizer
+from shared.models import load_tokenizer, model_max_len, resolve_model
 from shared.protocol import (GROUP_ENGINE, GROUP_TOKENIZER, Abort, ErrorInfo, FinishReason, GenerateRequest, Heartbeat,
                              RequestOutput)
 from shared.streams import AsyncProducer, AsyncStreamReader
@@ -48,6 +49,11 @@ class GatewayContext:
         self.producer: AsyncProducer | None = None
         self.collector: Collector | None = None
         self.num_in_flight = 0
+        self.health: HealthPoller | None = None
+        # the prompt limits checked before anything is published: the configured (or, once the
+        # tokenizer is loaded, the model's) max_model_len, and the longest text that could fit it
+        self.max_model_len: int | None = config.max_model_len
+        self.max_prompt_chars: int | None = None
         self._tokenizer: asyncio.Future | None = None
         self._background: set[asyncio.Task] = set()
         self._heartbeat: asyncio.Task | None = None
@@ -58,8 +64,18 @@ class GatewayContext:
     async def open(self) -> None:
         if self.tracing is None:
             self.tracing = make_tracing("gateway", self.config.telemetry)
-        self.client = aioredis.Redis.from_url(self.config.bus.redis_url, socket_connect_timeout=5,
-                                             **self.config.bus.redis_auth)
+        # a blocking pool: a burst beyond redis_max_connections waits for a connection (up to
+        # redis_pool_timeout_s) instead of failing with "Too many connections"
+        pool = aioredis.BlockingConnectionPool.from_url(
+            self.config.bus.redis_url, max_connections=self.limits.redis_max_connections,
+            timeout=self.limits.redis_pool_timeout_s, socket_connect_timeout=5, socket_timeout=10,
+            **self.config.bus.redis_auth)
+        self.client = aioredis.Redis(connection_pool=pool)
+        self.health = HealthPoller(aioredis.Redis.from_url(self.config.bus.redis_url, socket_connect_timeout=1,
+                                                           socket_timeout=2, **self.config.bus.redis_auth),
+                                   self.names.heartbeat, interval_s=self.limits.health_poll_s,
+                                   timeout_s=max(1.0, 2 * self.limits.health_poll_s))
+        self.health.start()
         self.producer = AsyncProducer(self.client, maxlen=self.config.bus.maxlen, signer=self.config.bus.signer)
         reader = AsyncStreamReader(self.client, self.reply_to, start="0-0", signer=self.config.bus.signer)
         self.collector = Collector(reader, trim=self._trim)
@@ -73,6 +89,8 @@ class GatewayContext:
         log.info("gateway %s reads %s", self.gateway_id, self.reply_to)
 
     async def close(self) -> None:
+        if self.health is not None:
+            await self.health.stop()
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             await asyncio.gather(self._heartbeat, return_exceptions=True)
@@ -95,8 +113,9 @@ class GatewayContext:
     async def submit(self, requests: Sequence[GenerateRequest]) -> None:
         try:
             await self.producer.send_many([(self.names.tokenizer_in, r) for r in requests])
-        except Exception as exc:
-            raise APIError(503, f"cannot reach the request bus: {exc}") from None
+        except Exception as exc:  # the pool stayed busy past redis_pool_timeout_s, or Redis is down
+            log.warning("request %s not published: %s", requests[0].request_id, exc)
+            raise APIError(503, "the request bus is busy or unreachable; retry later") from None
 
     async def _trim(self, last_id: str) -> None:
         await self.client.xtrim(self.reply_to, minid=last_id, approximate=True)
@@ -145,6 +164,11 @@ class GatewayContext:
         if request_ids:
             log.warning("no engine alive: failed %d requests in flight", len(request_ids))
         return len(request_ids)
+
+    def readiness(self) -> Readiness:
+        """/health's answer, from the background poll's last reading (no Redis call here)."""
+        return readiness(self.health.raw if self.health is not None else None,
+                         num_detok_shards=self.config.num_detok_shards, max_age_s=self.limits.heartbeat_max_age_s)
 
     async def fresh_engines(self) -> list[Heartbeat]:
         """The engines whose heartbeat is younger than ``heartbeat_max_age_s``."""
@@ -224,4 +248,16 @@ class GatewayContext:
             raise APIError(503, f"cannot load the tokenizer: {exc}") from None
 
     async def _load_tokenizer(self) -> Any:
-        return await asyncio.to_thread(load_tokenizer, self.config.model, self.config.tokenizer)
+        tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model, self.config.tokenizer)
+        if self.max_model_len is None:
+            self.max_model_len = await asyncio.to_thread(model_max_len, resolve_model(self.config.model))
+        self.max_prompt_chars = self.max_model_len * await asyncio.to_thread(longest_token_chars, tokenizer)
+        return tokenizer
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters of text one token can stand for: a text longer than max_model_len times
+    this cannot fit max_model_len tokens, and is refused without tokenizing it. (Byte-level BPE and
+    SentencePiece vocabularies spell each token with at most one character per character of text;
+    the tokenizer service applies the same rule, tokenizer_svc/prompts.py.)"""
+    return max(1, max(map(len, tokenizer.get_vocab()), default=1))

@@ -21,23 +21,32 @@ ERROR_TYPES: dict[int, str] = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
     422: "UnprocessableEntityError",
     429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
 
+# 429 and 503 mean "full or unreachable now, not wrong": the client is told when to try again
+RETRY_AFTER_S = 1
+RETRY_STATUSES = frozenset({429, 503})
+
 
 class APIError(Exception):
     """A failure to report to the client: HTTP status, message, and the parameter at fault."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None,
+                 headers: Mapping[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
-        self.type = type or ERROR_TYPES.get(status, "InternalServerError")
+        self.type = type or ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
+        self.headers = dict(headers or {})
 
     @classmethod
     def from_info(cls, info: ErrorInfo) -> APIError:
@@ -66,8 +75,15 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
 
+    def response_headers(self) -> dict[str, str]:
+        """``headers``, with Retry-After on a 429 or 503 (a responder that writes its own status line
+        should send these too)."""
+        retry = {"retry-after": str(RETRY_AFTER_S)} if self.status in RETRY_STATUSES else {}
+        return {**retry, **self.headers}
+
     def response(self) -> Response:
-        return Response(json.dumps(self.body()), status_code=self.status, media_type="application/json")
+        return Response(json.dumps(self.body()), status_code=self.status, media_type="application/json",
+                        headers=self.response_headers())
 
     def sse_event(self) -> bytes:
         return f"data: {json.dumps(self.body())}\n\n".encode()

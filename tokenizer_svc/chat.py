@@ -24,8 +24,9 @@ _SLOT = re.compile("\ue000(\\d+)\ue001")  # private-use code points: no template
 class ChatRenderer:
     """Owns a tokenizer's chat template and the set of its special-token literals."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, max_chars: int | None = None):
         self.tokenizer = tokenizer
+        self.max_chars = max_chars  # a rendered conversation longer than this is refused untokenized
         literals = set(getattr(tokenizer, "all_special_tokens", ()) or ())
         for added in getattr(tokenizer, "added_tokens_decoder", {}).values():
             if getattr(added, "special", False):
@@ -58,6 +59,9 @@ class ChatRenderer:
                tools: list | None = None) -> tuple[str, list[int]]:
         """(rendered text, token ids) for one conversation (and the tools it may call)."""
         text = self.render_text(messages, add_generation_prompt, tools)
+        if self.max_chars is not None and len(text) > self.max_chars:
+            raise ProtocolError(f"the conversation renders to {len(text)} characters, more than any prompt that "
+                                f"fits the model's context can hold ({self.max_chars})", "messages")
         if not self.holds_special_text(messages):
             return text, self.tokenizer.encode(text, add_special_tokens=False)
         return text, self.encode_guarded(messages, add_generation_prompt, tools)

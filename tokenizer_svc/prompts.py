@@ -37,8 +37,11 @@ class PromptEncoder:
 
     def __init__(self, tokenizer, max_model_len: int, names: StreamNames, tracing=None):
         self.tokenizer = tokenizer
-        self.chat = ChatRenderer(tokenizer)
         self.max_model_len = max_model_len
+        # bounded work: a text longer than this cannot fit max_model_len tokens, and is refused
+        # without being tokenized (a 15 MB prompt would hold this replica for seconds)
+        self.max_prompt_chars = max_model_len * longest_token_chars(tokenizer)
+        self.chat = ChatRenderer(tokenizer, self.max_prompt_chars)
         self.vocab_size = len(tokenizer)
         self.names = names
         self.tracing = tracing
@@ -82,6 +85,8 @@ class PromptEncoder:
             given = sum(x is not None for x in (r.prompt, r.prompt_token_ids, r.messages))
             if given != 1:
                 raise ProtocolError("give exactly one of prompt, prompt_token_ids or messages", "prompt")
+            if any(not 0 <= t < self.vocab_size for t in r.sampling.logit_bias or ()):
+                raise ProtocolError(f"logit_bias keys must be token ids in [0, {self.vocab_size})", "logit_bias")
             r.sampling.validate(self.vocab_size)
             if r.sampling.structured_outputs is not None:
                 validate_constraint(r.sampling.structured_outputs)
@@ -95,9 +100,15 @@ class PromptEncoder:
                 if not all(0 <= t < self.vocab_size for t in w.ids):
                     raise ProtocolError(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
             else:
+                self._check_chars(r.prompt, "prompt")
                 w.text = r.prompt
         except ProtocolError as exc:
             w.error = ErrorInfo(message=exc.message, param=exc.param, code=getattr(exc, "code", 400))
+
+    def _check_chars(self, text: str, param: str) -> None:
+        if len(text) > self.max_prompt_chars:
+            raise ProtocolError(f"This model's maximum context length is {self.max_model_len} tokens; a prompt of "
+                                f"{len(text)} characters cannot fit it (at most {self.max_prompt_chars}).", param)
 
     def _check(self, w: _Work) -> None:
         num_prompt = len(w.ids)
@@ -132,6 +143,13 @@ class PromptEncoder:
             resumed_token_ids=r.resumed_token_ids, resumed_seq=r.resumed_seq,  # failover: the engine goes on
             trace=self.tracing.carrier(w.span) if w.span is not None else {})))
         return out
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters of text one token can stand for (byte-level BPE and SentencePiece spell
+    a token with at least one vocabulary character per character of text); the gateway applies
+    the same rule before publishing (gateway/context.py)."""
+    return max(1, max(map(len, tokenizer.get_vocab()), default=1))
 
 
 def _tools(text: str | None) -> list | None:
