@@ -20,7 +20,6 @@ from gateway.context import GatewayContext
 from gateway.errors import APIError
 from gateway.health import HealthPoller, readiness
 from shared.config import GatewayConfig, GatewayLimits
-from shared.heartbeat import heartbeat_value
 from shared.protocol import MAX_MESSAGE_BYTES, GenerateRequest, Heartbeat, SamplingParams
 
 
