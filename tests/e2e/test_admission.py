@@ -132,6 +132,42 @@ def test_a_burst_of_400_streams_is_admitted_and_health_stays_fast(stack):
     assert p95 < HEALTH_BUDGET_S and latencies[-1] < 5 * HEALTH_BUDGET_S
 
 
+def test_a_bus_busy_past_the_pool_timeout_is_503_with_retry_after(own_redis):
+    """One Redis connection, held by a blocking command: a publish waits for it (the pool blocks),
+    then gets a 503 with Retry-After and no Redis address; once the connection is free it goes."""
+    from gateway.context import GatewayContext
+    from gateway.errors import APIError
+    from shared.config import BusConfig, GatewayConfig, GatewayLimits
+    from shared.protocol import GenerateRequest, SamplingParams
+
+    prefix = f"adm{os.urandom(4).hex()}"
+    config = GatewayConfig(bus=BusConfig(redis_url=own_redis.url, prefix=prefix), gateway_id="pool")
+    ctx = GatewayContext(config, GatewayLimits(redis_max_connections=1, redis_pool_timeout_s=0.3))
+    request = GenerateRequest(request_id="r", reply_to=ctx.reply_to, prompt="x", sampling=SamplingParams())
+
+    async def run():
+        await ctx.open()
+        try:
+            holder = asyncio.create_task(ctx.client.blpop([f"{prefix}:nothing"], timeout=2))
+            await asyncio.sleep(0.2)
+            started = time.monotonic()
+            with pytest.raises(APIError) as info:
+                await ctx.submit([request])
+            waited = time.monotonic() - started
+            await holder
+            await ctx.submit([request])  # the connection is back: published
+            length = await ctx.client.xlen(ctx.names.tokenizer_in)
+            await ctx.client.delete(ctx.names.tokenizer_in)
+            return info.value, waited, length
+        finally:
+            await ctx.close()
+
+    error, waited, length = asyncio.run(run())
+    assert error.status == 503 and error.response_headers()["retry-after"] == "1"
+    assert "127.0.0.1" not in error.message and str(own_redis.port) not in error.message
+    assert 0.25 <= waited < 2.0 and length == 1
+
+
 # ----------------------------------------------------------------------------- limits before work
 
 
