@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast bench bench-vllm bench-soak gpu clean
+.PHONY: setup serve test test-fast bench bench-vllm bench-sweep bench-tokenizers bench-soak gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,15 @@ bench: setup
 
 bench-vllm: setup
 	$(BIN)/python bench/vllm_peer.py
+
+# request-rate sweeps with `vllm bench serve`: pagedserve, vLLM CPU, transformers serve, llama.cpp
+# (the peers install into .peers/ on first use; README: Measured numbers says how long it takes)
+bench-sweep: setup
+	$(BIN)/python bench/sweep.py
+
+# tokenizer replicas 1/2/4: the stage alone and the whole stack, here and in a network namespace (root)
+bench-tokenizers: setup
+	$(BIN)/python bench/tokenizer_scaling.py
 
 # 10 minutes of load while a tokenizer, an engine and Redis fail (issue 14's soak)
 bench-soak: setup
