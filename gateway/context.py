@@ -17,9 +17,9 @@ from gateway.config import gateway_id, served_model_name
 from gateway.errors import APIError
 from gateway.health import HealthPoller, Readiness, readiness
 from shared.config import GatewayConfig, GatewayLimits
-from shared.heartbeat import heartbeat_value, parse_heartbeats
+from shared.heartbeat import hash_age_s, heartbeat_value, parse_heartbeats
 from shared.models import load_tokenizer, model_max_len, resolve_model
-from shared.protocol import (GROUP_ENGINE, GROUP_TOKENIZER, Abort, ErrorInfo, FinishReason, GenerateRequest, Heartbeat,
+from shared.protocol import (GROUP_ENGINE, GROUP_TOKENIZER, Abort, ErrorInfo, FinishReason, GenerateRequest,
                              RequestOutput)
 from shared.streams import AsyncProducer, AsyncStreamReader
 from shared.tracing import Tracing, make_tracing
@@ -57,6 +57,7 @@ class GatewayContext:
         self._tokenizer: asyncio.Future | None = None
         self._background: set[asyncio.Task] = set()
         self._heartbeat: asyncio.Task | None = None
+        self._bus_ok_since: float | None = None  # monotonic: since when this gateway's beats land on time
         self.start_time = time.time()
         self.tracing = tracing
         self.service_id = f"gateway-{self.gateway_id}"
@@ -141,20 +142,32 @@ class GatewayContext:
                                                                 "num_inboxes": self.collector.num_pending,
                                                                 "num_dropped": self.collector.num_dropped},
                                    self.start_time)
+            sent = time.monotonic()
             try:
                 await self.client.hset(self.names.heartbeat, self.service_id, beat)
             except Exception as exc:  # Redis restarting: the next beat will do
+                self._bus_ok_since = None
                 log.warning("heartbeat not written: %s", exc)
+            else:
+                if self._bus_ok_since is None or time.monotonic() - sent > 2.0:  # late: Redis (or we) stalled
+                    self._bus_ok_since = time.monotonic()
             await asyncio.sleep(interval_s)
 
     async def fail_if_no_engine(self) -> int:
         """With no engine heartbeat younger than ``heartbeat_max_age_s`` (the engines died or were
-        stopped), fail every request in flight with a 503 now instead of after the idle timeout.
-        Returns how many were failed."""
-        try:
-            if await self.fresh_engines():
-                return 0
-        except Exception:  # Redis unreachable: the reads will tell, nothing to decide here
+        stopped), fail every request in flight with a 503 now instead of at its deadline.
+        Returns how many were failed.
+
+        Judged from the health poll's last reading (no Redis call of its own), and only on evidence
+        old enough to mean something: no verdict while Redis does not answer, while the heartbeat
+        hash is younger than the age limit (just flushed, or Redis restarted empty: the engines
+        have not beaten into it yet), or while this gateway's own beats have not landed on time
+        for that long (a stall in progress makes every beat look stale)."""
+        max_age = self.limits.heartbeat_max_age_s
+        raw = self.health.raw if self.health is not None else None
+        if raw is None or self._bus_ok_since is None or time.monotonic() - self._bus_ok_since < max_age:
+            return 0
+        if hash_age_s(raw) < max_age or parse_heartbeats(raw, max_age_s=max_age, service="engine"):
             return 0
         error = ErrorInfo(message=f"no engine is alive (no heartbeat in {self.limits.heartbeat_max_age_s:g}s)",
                           type="ServiceUnavailableError", code=503)
@@ -169,11 +182,6 @@ class GatewayContext:
         """/health's answer, from the background poll's last reading (no Redis call here)."""
         return readiness(self.health.raw if self.health is not None else None,
                          num_detok_shards=self.config.num_detok_shards, max_age_s=self.limits.heartbeat_max_age_s)
-
-    async def fresh_engines(self) -> list[Heartbeat]:
-        """The engines whose heartbeat is younger than ``heartbeat_max_age_s``."""
-        raw = await self.client.hgetall(self.names.heartbeat)
-        return list(parse_heartbeats(raw, max_age_s=self.limits.heartbeat_max_age_s, service="engine").values())
 
     # ----------------------------------------------------------------- traces, request logs, the bus's figures
     def trace_requests(self, requests: Sequence[GenerateRequest], headers: Mapping[str, str] | None):

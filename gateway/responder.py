@@ -115,9 +115,9 @@ class Responder:
         self.status = exc.status
         if self.submission.is_cancelled:
             return
-        body = exc.response().body
-        await send({"type": "http.response.start", "status": exc.status, "headers": JSON_HEADERS})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        response = exc.response()  # its headers carry Retry-After on a 429/503
+        await send({"type": "http.response.start", "status": exc.status, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body, "more_body": False})
 
 
 async def _wait_disconnect(receive) -> None:

@@ -22,9 +22,13 @@ def salvage_reply(data: object, problem: str) -> tuple[str, RequestOutput] | Non
     """For a message that failed validation: (reply_to, error output) when its envelope is readable."""
     if not isinstance(data, (bytes, bytearray)):
         return None
+    # A message refused for its size (a prompt of 1.1 M token ids) must still be answered: no
+    # container or string can hold more items than the entry has bytes, so the entry's own length
+    # bounds the decoding (the bus already bounded the entry).
+    limit = len(data)
     try:
-        body = msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=1 << 20,
-                               max_str_len=1 << 20, max_array_len=1 << 20, max_map_len=1 << 10)
+        body = msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=limit, max_str_len=limit,
+                               max_array_len=limit, max_map_len=limit)
     except Exception:  # undecodable: nobody to tell
         return None
     if not isinstance(body, dict):

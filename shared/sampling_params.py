@@ -89,9 +89,9 @@ class SamplingParams:
                f"stop takes at most {MAX_STOP_STRINGS} non-empty strings", "stop")
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
-        ids = list(self.stop_token_ids) + list((self.logit_bias or {}).keys())
         if vocab_size is not None:
-            _check(all(0 <= t < vocab_size for t in ids), "token id out of the vocabulary", "stop_token_ids")
+            for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", (self.logit_bias or {}).keys())):
+                _check(all(0 <= t < vocab_size for t in ids), "token id out of the vocabulary", name)
         for bias in (self.logit_bias or {}).values():
             _check(_finite(bias) and -100.0 <= bias <= 100.0, "logit_bias values must be in [-100, 100]",
                    "logit_bias")

@@ -85,8 +85,6 @@ class PromptEncoder:
             given = sum(x is not None for x in (r.prompt, r.prompt_token_ids, r.messages))
             if given != 1:
                 raise ProtocolError("give exactly one of prompt, prompt_token_ids or messages", "prompt")
-            if any(not 0 <= t < self.vocab_size for t in r.sampling.logit_bias or ()):
-                raise ProtocolError(f"logit_bias keys must be token ids in [0, {self.vocab_size})", "logit_bias")
             r.sampling.validate(self.vocab_size)
             if r.sampling.structured_outputs is not None:
                 validate_constraint(r.sampling.structured_outputs)

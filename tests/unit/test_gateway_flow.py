@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import asyncio
 import json
+import time
 
 import pytest
 from starlette.testclient import TestClient
@@ -40,7 +41,6 @@ class ScriptedContext(GatewayContext):
         self.script = script
         self.submitted: list[GenerateRequest] = []
         self.aborted: list[tuple[str, ...]] = []
-        self.engines: list[Heartbeat] = []
 
     async def open(self):
         self.collector = Collector(_SilentReader())
@@ -58,9 +58,6 @@ class ScriptedContext(GatewayContext):
 
     def abort(self, request_ids, reason):
         self.aborted.append(tuple(request_ids))
-
-    async def fresh_engines(self):
-        return self.engines
 
 
 def words(request: GenerateRequest, texts=("Hello", " world"), *, duplicate=False, logprobs=False):
@@ -238,13 +235,64 @@ def test_metrics_count_finished_requests(make_client):
     assert "generation_tokens" not in text
 
 
-def test_health_follows_engine_heartbeats(make_client):
+def test_health_without_a_heartbeat_reading_is_503_and_metrics_are_the_gateways_own(make_client):
+    """No poll of the heartbeat hash has answered (this context has no Redis): not ready, said
+    without internal detail; /metrics shows the gateway's own figures, not the engines'."""
     client, ctx = make_client(words)
     resp = client.get("/health")
-    assert resp.status_code == 503 and resp.json()["error"]["type"] == "ServiceUnavailableError"
-    ctx.engines = [Heartbeat(service="engine", service_id="engine-0", time=0.0, stats={"num_running": 2.0})]
-    assert client.get("/health").json() == {"status": "ok", "engines": ["engine-0"]}
+    error = resp.json()["error"]
+    assert resp.status_code == 503 and error["type"] == "ServiceUnavailableError"
+    assert error["message"] == "not ready: the request bus does not answer"
     assert "num_requests_running" not in client.get("/metrics").text  # the engine's own figure
+
+
+class _Reading:
+    """The health poll's last reading of the heartbeat hash (what fail_if_no_engine judges)."""
+
+    def __init__(self, raw):
+        self.raw = raw
+
+
+def _hash(*, hash_age_s: float, engine_age_s: float | None) -> dict:
+    raw = {b"_epoch": str(time.time() - hash_age_s).encode()}
+    if engine_age_s is not None:
+        raw[b"engine-0"] = Heartbeat(service="engine", service_id="engine-0", time=time.time() - engine_age_s,
+                                     stats={}).to_wire()
+    return raw
+
+
+def test_no_engine_verdict_waits_for_evidence_old_enough_to_mean_something():
+    """The gateway fails its requests in flight for want of an engine only when the heartbeat
+    hash is older than the age limit (not just flushed or re-created by an empty restart) and its
+    own beats have landed on time for that long (not in a stall), and no engine beat is fresh."""
+    async def scenario():
+        ctx = ScriptedContext(GatewayConfig(served_model_name="tiny"), GatewayLimits(heartbeat_max_age_s=10.0),
+                              words)
+        await ctx.open()
+        got = []
+        ctx.collector.register("r1", type("Inbox", (), {"put": got.append, "resume": got.append})())
+        try:
+            now = time.monotonic()
+            cases = [  # (reading, own beats on time since, failed?)
+                (None, now - 60, 0),  # Redis does not answer: nothing to judge
+                (_hash(hash_age_s=2, engine_age_s=None), now - 60, 0),  # just flushed
+                (_hash(hash_age_s=60, engine_age_s=30), now - 3, 0),  # a stall just ended: beats look stale
+                (_hash(hash_age_s=60, engine_age_s=30), None, 0),  # our own beats fail right now
+                (_hash(hash_age_s=60, engine_age_s=1), now - 60, 0),  # an engine is alive
+                (_hash(hash_age_s=60, engine_age_s=30), now - 60, 1),  # the engines are gone
+            ]
+            results = []
+            for raw, since, _ in cases:
+                ctx.health, ctx._bus_ok_since = _Reading(raw), since
+                results.append(await ctx.fail_if_no_engine())
+            return results, got
+        finally:
+            ctx.health = None
+            await ctx.close()
+
+    results, got = asyncio.run(scenario())
+    assert results == [0, 0, 0, 0, 0, 1]
+    assert len(got) == 1 and got[0].error.code == 503 and "no engine is alive" in got[0].error.message
 
 
 def test_too_many_requests_in_flight_is_429(make_client):
@@ -252,3 +300,18 @@ def test_too_many_requests_in_flight_is_429(make_client):
     resp = client.post("/v1/completions", json={"prompt": "x"})
     assert resp.status_code == 429 and resp.json()["error"]["code"] == 429
     assert ctx.submitted == []
+
+
+def test_a_503_from_the_engine_carries_retry_after_streamed_or_not(make_client):
+    """A refusal that comes back over the bus (the engine's queue is full) reaches the client
+    with Retry-After, like the gateway's own 429/503, whether or not it asked for a stream."""
+    def full(request):
+        error = ErrorInfo(message="the engine's queue is full", type="ServiceUnavailableError", code=503)
+        return [RequestOutput(request_id=request.request_id, finish_reason=FinishReason.ERROR, error=error)]
+
+    client, _ = make_client(full)
+    for stream in (False, True):
+        resp = client.post("/v1/completions", json={"prompt": "x", "stream": stream})
+        assert resp.status_code == 503, resp.text
+        assert resp.headers["retry-after"] == "1" and resp.headers["content-type"] == "application/json"
+        assert resp.json()["error"]["message"] == "the engine's queue is full"

@@ -310,3 +310,15 @@ def test_an_out_of_vocabulary_logit_bias_names_logit_bias(default_model_dir):
     [(_, out)] = encoder.encode_batch([GenerateRequest(request_id="r", reply_to="g", prompt="hi",
                                                        sampling=SamplingParams(logit_bias=bias))])
     assert out.error is not None and out.error.param == "logit_bias" and out.error.code == 400
+
+
+def test_sampling_params_name_the_field_whose_token_id_is_out_of_the_vocabulary():
+    """The one check the tokenizer and the engine both run (SamplingParams.validate)."""
+    from shared.codec import ProtocolError
+
+    with pytest.raises(ProtocolError) as bias:
+        SamplingParams(logit_bias={7: 1.0, 99: 1.0}).validate(vocab_size=50)
+    with pytest.raises(ProtocolError) as stop:
+        SamplingParams(stop_token_ids=(99,), logit_bias={7: 1.0}).validate(vocab_size=50)
+    assert (bias.value.param, stop.value.param) == ("logit_bias", "stop_token_ids")
+    SamplingParams(stop_token_ids=(49,), logit_bias={0: 1.0}).validate(vocab_size=50)

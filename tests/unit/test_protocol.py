@@ -89,3 +89,22 @@ def test_ints_widen_to_float_but_floats_never_narrow_to_int():
     assert msg.time == 3.0 and type(msg.time) is float and type(msg.stats["x"]) is float
     with pytest.raises(ProtocolError, match="expected an integer"):
         decode(_wire(4, request_id="r", seq=1.0))
+
+
+def test_a_message_refused_for_its_size_still_gets_its_error_reply():
+    """A GenerateRequest over the decoder's limits (1.1 M prompt token ids) is refused, but its
+    envelope is read back (bounded by the entry's own length) so the gateway is answered with a
+    400 instead of waiting for the deadline."""
+    import msgpack
+
+    from shared.dead_letters import salvage_reply
+    from shared.protocol import MAX_PROMPT_TOKENS, decode
+
+    wire = msgpack.packb({"t": GenerateRequest.TAG, "request_id": "cmpl-1", "reply_to": "ps:gateway:g0:out",
+                          "prompt_token_ids": [7] * (MAX_PROMPT_TOKENS + 100_000)}, use_bin_type=True)
+    with pytest.raises(ProtocolError):
+        decode(wire)
+    reply_to, out = salvage_reply(wire, "too many prompt token ids")
+    assert reply_to == "ps:gateway:g0:out" and out.request_id == "cmpl-1"
+    assert out.error.code == 400 and "too many prompt token ids" in out.error.message
+    assert salvage_reply(b"\xc1" + wire[1:], "garbage") is None  # undecodable: nobody to tell
