@@ -237,7 +237,8 @@ class Scheduler:
             return False
         if request.matcher is None:
             return False
-        request.matcher.accept_many(request.output_token_ids)  # a resumed request's outputs (failover, P/D)
+        if request.output_token_ids:  # a resumed request's outputs (failover, P/D)
+            request.matcher.accept_many(request.output_token_ids)
         request.status = RequestStatus.WAITING_FOR_KV if request.kv_handle is not None else RequestStatus.WAITING
         return True
 

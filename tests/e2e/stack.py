@@ -72,6 +72,7 @@ class Stack:
     port: int = field(default_factory=free_port)
     engine_metrics_port: int = field(default_factory=free_port)  # the engine's own /metrics
     services: list[Service] = field(default_factory=list)
+    may_scan: bool = True  # False: read through a role user of serve's ACL (no SCAN; no P/D there)
     pd: bool = False  # prefill/decode disaggregation: engine-p0 and engine-d0 instead of engine-0
     prefill_args: list[str] = field(default_factory=list)  # pd: the prefill engine's own extra flags
     decode_metrics_port: int = field(default_factory=free_port)  # pd: the decode engine's /metrics
@@ -226,8 +227,9 @@ class Stack:
             for key in ("num_running", "num_waiting", "num_requests"):
                 if s.get(key, 0):
                     problems.append(f"{engine_id} {key}={s[key]:g}")
-        with self.redis() as client:
-            problems += [f"KV entry left: {k.decode()}" for k in client.scan_iter(match=f"{self.prefix}:kv:*")]
+        if self.may_scan:
+            with self.redis() as client:
+                problems += [f"KV entry left: {k.decode()}" for k in client.scan_iter(match=f"{self.prefix}:kv:*")]
         for service_id, beat in beats.items():
             if beat.service in ("detok", "gateway") and beat.stats.get("num_requests", 0):
                 problems.append(f"{service_id} holds {beat.stats['num_requests']:g} requests")

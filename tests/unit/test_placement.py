@@ -55,8 +55,13 @@ def test_child_process_starts_pinned():
 
     from shared.cli import Child
 
+    class Probe(Child):  # a plain process instead of a service and its config
+        @property
+        def argv(self) -> list[str]:
+            return ["http.server", "--bind", "127.0.0.1", "0"]
+
     cpu = max(os.sched_getaffinity(0))
-    child = Child("probe", ["http.server", "--bind", "127.0.0.1", "0"], cpus={cpu})
+    child = Probe("probe", "probe", None, cpus={cpu})
     child.start(dict(os.environ))
     try:
         time.sleep(0.2)
