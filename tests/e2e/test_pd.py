@@ -229,3 +229,32 @@ def test_streams_of_a_killed_decode_engine_complete_on_another_with_the_same_tex
         assert d1["kv_num_loaded"] >= 4  # the resumed requests came to it through the hand-off
     finally:
         stack.stop()
+
+
+@pytest.mark.slow
+def test_default_model_greedy_text_through_prefill_and_decode(redis_url, default_model_dir, tmp_path):
+    """16 prompts on the default model (float32, eager on both sides) through the P/D stack, twice
+    (the second round hits the prefill engine's prefix cache): the unified engine's text."""
+    from engine_svc import EngineConfig, LLMEngine
+
+    args = ["--enforce-eager", "--dtype", "float32", "--kv-cache-memory", "256M", "--max-num-seqs", "16"]
+    unified = LLMEngine(EngineConfig(enforce_eager=True, model=str(default_model_dir), dtype="float32",
+                                     max_model_len=2048, kv_cache_memory=256 << 20))
+    expected = reference(unified, PROMPTS, max_tokens=MAX_TOKENS, ignore_eos=True)
+    del unified
+    stack = Stack(redis_url, default_model_dir, tmp_path, pd=True, served_model_name="smollm2", max_model_len=2048,
+                  engine_args=args).start(timeout_s=400)
+    try:
+        client = openai_client(stack, timeout=300)
+        for _ in range(2):
+            with ThreadPoolExecutor(8) as pool:
+                texts = list(pool.map(lambda p: client.completions.create(
+                    model="smollm2", prompt=p, max_tokens=MAX_TOKENS, temperature=0,
+                    extra_body={"ignore_eos": True}).choices[0].text, PROMPTS))
+            assert texts == expected
+        stack.assert_idle()
+        decode = beat(stack, "engine-d0", time.time())
+        assert decode["kv_num_loaded"] == 32 and decode["kv_num_fallbacks"] == 0
+        assert beat(stack, "engine-p0", time.time())["prefix_cache_hits"] > 0
+    finally:
+        stack.stop()
