@@ -16,7 +16,7 @@ Every request ends in exactly one outcome (completed, abandoned by design, 400 f
 ones, an HTTP error, an error event mid-stream, a client timeout, a transport error). At the end
 it prints the outcomes, each service's RSS at start and end, the pending entries of every group
 (expected 0) and every live engine's free KV blocks (expected all), and plots the outcomes over
-time with the faults marked (docs/bench/soak.png).
+time with the faults marked (docs/bench/soak.png). The RSS at the end of a restarted engine is its successor's.
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ import httpx
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_lines, print_header, print_table, pyplot, resolve_bench_model, save_figure  # noqa: E402
+from common import machine_lines, print_header, print_table, pyplot, resolve_bench_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+PLOT_PATH = REPO / "docs" / "bench" / "soak.png"
 sys.path.insert(0, str(REPO))
 from shared.heartbeat import read_heartbeats  # noqa: E402
 from shared.protocol import StreamNames  # noqa: E402
@@ -327,14 +328,14 @@ def make_faults(stack: SoakStack, duration: float, marks: list[tuple[float, str]
                 stack.redis.process.send_signal(signal.SIGSTOP)
                 await asyncio.sleep(15)
                 stack.redis.process.send_signal(signal.SIGCONT)
-            else:
-                await asyncio.to_thread(stack.restart_redis_empty)
+            else:  # in this thread: redis-server dies with the thread that started it (PR_SET_PDEATHSIG)
+                stack.restart_redis_empty()
 
     return run
 
 
 # ---------------------------------------------------------------------------- report
-def plot(records: list[Outcome], marks, duration: float, path_name: str = "soak.png"):
+def plot(records: list[Outcome], marks, duration: float):
     plt = pyplot()
     t0 = min(r.start for r in records)
     bucket = max(5.0, duration / 60)
@@ -358,7 +359,11 @@ def plot(records: list[Outcome], marks, duration: float, path_name: str = "soak.
             a.axvline(at, color="red", linestyle="--", linewidth=0.8)
         ax.annotate(what, (at, ax.get_ylim()[1] * 0.95), rotation=90, fontsize=7, va="top", color="red")
     fig.suptitle("pagedserve soak: outcomes and TTFT under faults")
-    return save_figure(fig, path_name)
+    fig.tight_layout()
+    PLOT_PATH.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(PLOT_PATH, dpi=110)
+    print(f"plot: {PLOT_PATH}")
+    return PLOT_PATH
 
 
 def main() -> int:
