@@ -52,9 +52,9 @@ PROMPTS = ["Write a short poem about the sea.", "List three uses of copper.", "W
            "Explain photosynthesis to a child.", "Give me a recipe for pancakes.", "Why is the sky blue?",
            "Name five rivers in Europe.", "What does a compiler do?", "Describe a cat in two sentences.",
            "How do vaccines work?"]
-MALFORMED = [b'{"model": "m", "messages": [', b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], '
-             b'"max_tokens": -5}', b'{"model": "m", "prompt": "x", "temperature": "hot"}',
-             b'{"model": "m", "messages": "not a list"}']
+MALFORMED = [b'{"model": "soak", "messages": [', b'{"model": "soak", "messages": [{"role": "user", "content": "hi"}], '
+             b'"max_tokens": -5}', b'{"model": "soak", "prompt": "x", "temperature": "hot"}',
+             b'{"model": "soak", "messages": "not a list"}']  # the served model: each is refused for its own fault
 
 
 # ---------------------------------------------------------------------------- processes
