@@ -33,7 +33,7 @@ from collections import OrderedDict
 
 from engine_svc.iteration_stats import FinishedSequence, IterationStats
 from engine_svc.metrics import EngineMetrics
-from shared.config import EngineServiceConfig
+from shared.config import ENGINE_ROLES, EngineServiceConfig
 from shared.logs import StatusLine, configure_logging
 from shared.models import served_model_name
 from shared.protocol import (GROUP_DECODE, GROUP_ENGINE, Abort, EngineRequest, ErrorInfo, FinishReason, Message,
@@ -152,7 +152,7 @@ class EngineService:
             self.outbox.flush()  # if Redis is away, the next turn holds off until it is back
         self.account()
         self.heartbeat.beat({**self._engine_stats, "metrics_port": self.config.metrics_port,
-                             "num_messages": self.num_admitted, "num_reclaimed": self.from_tokenizer.num_reclaimed})
+                             "role": ENGINE_ROLES.index(self.config.role), "num_messages": self.num_admitted, "num_reclaimed": self.from_tokenizer.num_reclaimed})
         if self.heartbeat.num_losses != self._num_losses:
             self._num_losses = self.heartbeat.num_losses
             self._fail_held("the request bus lost its state (Redis was flushed or restarted empty)")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from shared.config import ENGINE_ROLES
 from shared.heartbeat import parse_heartbeats
 
 log = logging.getLogger(__name__)
@@ -49,9 +50,27 @@ def readiness(raw: Mapping[bytes | str, bytes] | None, *, num_detok_shards: int,
     kinds = {b.service for b in fresh.values()}
     shards = {int(b.stats.get("shard", 0)) for b in fresh.values() if b.service == "detok"}
     missing = [kind for kind in ("tokenizer", "engine") if kind not in kinds]
+    missing += _missing_engine_roles({_role(b.stats) for b in fresh.values() if b.service == "engine"})
     missing += ["detok" if num_detok_shards == 1 else f"detok shard {k}"
                 for k in range(num_detok_shards) if k not in shards]
     return Readiness(not missing, tuple(missing), tuple(sorted(fresh)))
+
+
+def _role(stats: Mapping[str, float]) -> str:
+    index = int(stats.get("role", 0))
+    return ENGINE_ROLES[index] if 0 <= index < len(ENGINE_ROLES) else "both"
+
+
+def _missing_engine_roles(roles: set[str]) -> list[str]:
+    """Under P/D a request needs an engine that takes it (both or prefill) and, when only prefill
+    engines take requests, a decode engine to go on."""
+    if not roles:
+        return []  # "engine" is missing already
+    if not roles & {"both", "prefill"}:
+        return ["prefill engine"]
+    if "both" not in roles and "decode" not in roles:
+        return ["decode engine"]
+    return []
 
 
 class HealthPoller:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from shared.bus_auth import BusSigner
 from shared.protocol import StreamNames
 
+ENGINE_ROLES = ("both", "prefill", "decode")  # an engine's heartbeat stat "role" is the index
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
@@ -210,7 +212,7 @@ class EngineServiceConfig:
     ctl_lookback_s: float = 600.0
     # prefill/decode disaggregation: prefill engines read ps:engine:in and hand each request, after
     # its first token, to ps:decode:in with its KV (kv_transfer); decode engines read ps:decode:in
-    role: str = "both"  # both | prefill | decode
+    role: str = "both"  # one of ENGINE_ROLES; its heartbeat carries the index as stat "role"
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shared.config import (DetokConfig, EngineServiceConfig, GatewayConfig, ServeConfig, StatusConfig,
+from shared.config import (ENGINE_ROLES, DetokConfig, EngineServiceConfig, GatewayConfig, ServeConfig, StatusConfig,
                            TokenizerConfig, default_service_id)
 from shared.placement import MODES
 
@@ -173,7 +173,7 @@ FLAGS: tuple[Flag, ...] = (
          help="Redis unreachable for longer than this many seconds: the requests the engine held meanwhile are "
               "failed (503) when it is back, not computed"),
     # prefill/decode disaggregation (README: Prefill/decode disaggregation)
-    Flag(name="--role", field="role", parse=str, used_by=frozenset({"engine"}), choices=("both", "prefill", "decode"),
+    Flag(name="--role", field="role", parse=str, used_by=frozenset({"engine"}), choices=ENGINE_ROLES,
          env="ENGINE_ROLE", help="both (default): prompt and generation; prefill: the prompt and first token, then "
                                  "the request and its KV go to a decode engine; decode: takes those"),
     Flag(name="--kv-connector", field="connector", parse=str, used_by=ENGINE, choices=("redis", "shm"),

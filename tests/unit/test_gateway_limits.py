@@ -19,6 +19,7 @@ from gateway.collector import Collector
 from gateway.context import GatewayContext
 from gateway.errors import APIError
 from gateway.health import HealthPoller, readiness
+from shared.config import ENGINE_ROLES
 from shared.config import GatewayConfig, GatewayLimits
 from shared.protocol import MAX_MESSAGE_BYTES, GenerateRequest, Heartbeat, SamplingParams
 
@@ -110,6 +111,24 @@ def test_readiness_needs_a_tokenizer_an_engine_and_every_detok_shard():
     assert readiness({}, num_detok_shards=1, max_age_s=10).missing == ("tokenizer", "engine", "detok")
     down = readiness(None, num_detok_shards=1, max_age_s=10)
     assert not down.is_ready and down.problem == "not ready: the request bus does not answer"
+
+
+def test_readiness_under_pd_needs_an_engine_that_takes_requests_and_one_that_decodes_them():
+    """Engines beat their role (stat "role": the index in ENGINE_ROLES): a decode engine alone
+    takes no request, prefill engines alone hand them to nobody."""
+    def with_engines(*roles: str) -> dict[bytes, bytes]:
+        raw = {k: v for k, v in stack_beats().items() if k != b"engine-0"}
+        raw.update(beat("engine", f"engine-{i}", role=float(ENGINE_ROLES.index(r))) for i, r in enumerate(roles))
+        return raw
+
+    def missing(*roles: str) -> tuple[str, ...]:
+        return readiness(with_engines(*roles), num_detok_shards=1, max_age_s=10).missing
+
+    assert missing("prefill", "decode") == () and missing("both") == () and missing("both", "decode") == ()
+    assert missing("decode") == ("prefill engine",)
+    assert missing("prefill", "prefill") == ("decode engine",)
+    assert readiness(with_engines("decode"), num_detok_shards=1, max_age_s=10).problem == \
+        "not ready: no live prefill engine"
 
 
 def test_health_answers_from_the_last_reading_with_detail_only_for_the_key(make_gateway):
