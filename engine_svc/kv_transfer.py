@@ -38,6 +38,7 @@ Only this module (the Redis connector) may import redis; the rest of the engine 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import struct
 import time
@@ -57,8 +58,11 @@ from shared.config import KVTransferConfig  # noqa: F401 (re-exported)
 MAGIC, VERSION = b"PSKV", 1
 _PREAMBLE = struct.Struct("<4sBI")  # magic, version, header length
 _MAX_HEADER = 4096
-FAULTS = ("delete", "flip", "foreign")  # the test hook's ways to spoil a saved entry
+FAULTS = ("delete", "flip", "foreign", "stall")  # the test hook's ways to spoil a saved entry, or stall a load
+STALL_S = 5.0  # test hook "stall": a decode engine sleeps this long before each load (under the 10 s heartbeat)
 STAGING_MAX_BYTES = 256 << 20  # larger entries get a buffer of their own, so an idle engine holds at most this
+
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------- the entry format
@@ -116,7 +120,9 @@ class ByteStoreConnector(KVConnector):
         if unknown:
             raise ValueError(f"unknown KV transfer faults {sorted(unknown)}; known: {FAULTS}")
         self.ttl_s = ttl_s
-        self.faults = faults  # test hook (--kv-transfer-fault): spoil the saved entries, in turn
+        # test hook (--kv-transfer-fault): spoil the saved entries, in turn; "stall": sleep before each load
+        self.faults = tuple(f for f in faults if f != "stall")
+        self.stall_s = STALL_S if "stall" in faults else 0.0
         self._num_faulted = 0
         self._staging = torch.empty(0, dtype=torch.uint8)
 
@@ -149,6 +155,9 @@ class ByteStoreConnector(KVConnector):
         return handle
 
     def load(self, handle: str, block_table, num_tokens: int | None = None) -> None:
+        if self.stall_s:  # test hook: a window in which the engine holds the request but not yet its KV
+            log.warning("test hook: stalling %.1f s before loading KV entry %s", self.stall_s, handle)
+            time.sleep(self.stall_s)
         start = time.perf_counter()
         try:
             value = self._take(_check_handle(handle))

@@ -184,7 +184,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(name="--kv-shm-dir", field="shm_dir", parse=str, used_by=ENGINE, help="the tmpfs of the shm KV connector"),
     Flag(name="--kv-transfer-fault", field="fault", parse=str, used_by=frozenset({"engine"}),
          help="test hook: comma-separated faults (delete, flip, foreign) a prefill engine applies in turn to the KV "
-              "entries it saves"),
+              "entries it saves; stall: a decode engine sleeps 5 s before each load"),
     # serve: the stack's shape
     Flag(name="--gateways", field="num_gateways", parse=int, used_by=frozenset({"serve"}),
          help="gateway processes sharing the port (SO_REUSEPORT), each with its own reply stream"),

@@ -258,3 +258,76 @@ def test_default_model_greedy_text_through_prefill_and_decode(redis_url, default
         assert beat(stack, "engine-p0", time.time())["prefix_cache_hits"] > 0
     finally:
         stack.stop()
+
+
+def test_a_decode_engine_killed_before_its_load_leaves_its_requests_to_another(redis_url, tiny_llama_dir, tmp_path,
+                                                                               reference_engine):
+    """engine-d1 (test hook "stall": 5 s before each load) takes the hand-offs while engine-d0 is
+    frozen, and is SIGKILLed while it sleeps before its first load: it holds a request whose KV entry
+    it never read. Every stream completes on engine-d0 with the fault-free text (failover from the
+    detok shard, or the hand-off still unread), within a bounded delay; the un-loaded entry does not
+    leak (the failover's re-prefill saves it again, and engine-d0's load consumes it)."""
+    import asyncio
+
+    import openai
+
+    prompts = [f"Story {i}:" for i in range(4)]
+    max_tokens = 24
+    expected = reference(reference_engine, prompts, max_tokens=max_tokens, ignore_eos=True)
+    stack = start_pd_stack(redis_url, tiny_llama_dir, tmp_path)
+    try:
+        victim = stack.start_service("engine-d1", "engine_svc", "--service-id", "engine-d1", "--role", "decode",
+                                     "--kv-transfer-fault", "stall", *ENGINE_ARGS)
+        other = stack.service("engine-d0")
+        deadline = time.monotonic() + 120
+        while "engine-d1" not in stack.heartbeats():
+            assert time.monotonic() < deadline, stack.logs()
+            time.sleep(0.25)
+
+        async def one(client, prompt: str) -> str:
+            stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
+                                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
+            return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+        async def scenario():
+            async with openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="x", max_retries=0,
+                                          timeout=300) as client:
+                other.signal(signal.SIGSTOP)  # only the victim takes the hand-offs
+                try:
+                    await asyncio.sleep(1.5)  # the blocking read it may have left in Redis expires
+                    tasks = [asyncio.ensure_future(one(client, p)) for p in prompts]
+                    deadline = time.monotonic() + 60
+                    while "test hook: stalling" not in victim.log_path.read_text(errors="replace"):
+                        assert time.monotonic() < deadline and not any(t.done() for t in tasks), stack.logs()
+                        await asyncio.sleep(0.02)
+                    victim.signal(signal.SIGKILL)  # in its stall: it admitted a hand-off, and loaded nothing
+                    killed_at = time.monotonic()
+                    with stack.redis() as r:
+                        entries = list(r.scan_iter(match=f"{stack.prefix}:kv:*"))
+                finally:
+                    other.signal(signal.SIGCONT)
+                results = await asyncio.gather(*tasks, return_exceptions=True)
+                return results, entries, time.monotonic() - killed_at
+
+        results, entries, delay = asyncio.run(scenario())
+        assert not [r for r in results if isinstance(r, BaseException)], (results, stack.logs())
+        assert results == expected
+        assert entries  # the victim died holding at least one KV entry it had not loaded
+        assert delay < 60, delay  # the heartbeat goes stale in 10 s; a re-prefill and 24 tokens take far less
+        victim.proc.wait(timeout=10)
+        with stack.redis() as client:  # the dead engine's stale heartbeat is no request state
+            client.hdel(stack.names.heartbeat, "engine-d1")
+        deadline = time.monotonic() + 30
+        problems = ["not checked"]
+        while problems and time.monotonic() < deadline:
+            since = time.time()
+            time.sleep(1.2)
+            problems = [p for p in stack.idle_problems(since) if "engine-d1" not in p]
+        assert not problems, (problems, stack.logs())  # no ps:kv:* key among them: the entry did not leak
+        beats = stack.heartbeats()
+        d0 = beats["engine-d0"].stats
+        assert d0["kv_num_loaded"] >= 1 and d0["num_requests"] == 0
+        # the victim's admitted request came back through a failover: resubmitted, prefilled again
+        assert beats["engine-p0"].stats["num_messages"] >= len(prompts) + 1
+    finally:
+        stack.stop()
