@@ -183,7 +183,8 @@ class KVTransferConfig:
     ttl_s: float = 60.0  # the lease: an entry no decode engine loaded within this is dropped
     shm_dir: str = "/dev/shm"
     # test hook (--kv-transfer-fault): the prefill engine spoils its saved entries, in turn, in these
-    # ways ("delete", "flip" a payload byte, "foreign" header), so the decode side's fallback is exercised
+    # ways ("delete", "flip" a payload byte, "foreign" header), so the decode side's fallback is exercised;
+    # "stall": a decode engine sleeps before each load (a test kills it there)
     fault: str | None = None
 
 
