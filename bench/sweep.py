@@ -68,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rates", default="0.5,1,2,3,4,6", help="Poisson request rates, requests/s")
     p.add_argument("--system-rates", default="transformers=0.1,0.2,0.4;llamacpp=0.25,0.5,1",
                    help="rates of the slower peers, 'name=r1,r2;name=...' (their saturation lies far below ours)")
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
+    p.add_argument("--duration", type=float, default=45.0, help="seconds of arrivals per rate")
     p.add_argument("--min-prompts", type=int, default=8)
     p.add_argument("--past-saturation", type=int, default=1, help="rates measured past a system's saturation")
     p.add_argument("--input-len", type=int, default=256, help="random dataset")

@@ -65,10 +65,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--modes", default="stage,stack",
                    help="stage: the tokenizers alone on a preloaded backlog (bench/tokenizer_stage.py); stack: the "
                         "whole stack under a closed-loop HTTP client")
-    p.add_argument("--stage-requests", type=int, default=3000, help="backlog of the stage mode")
+    p.add_argument("--stage-requests", type=int, default=4000, help="backlog of the stage mode")
     p.add_argument("--prompt-tokens", type=int, default=1500)
     p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--duration", type=float, default=30.0, help="seconds measured per run")
+    p.add_argument("--duration", type=float, default=15.0, help="seconds measured per run")
     p.add_argument("--warmup", type=int, default=64, help="requests before measuring")
     p.add_argument("--sample-ms", type=float, default=5.0)
     p.add_argument("--bus-cpus", default="none", help="serve's --bus-cpus")
