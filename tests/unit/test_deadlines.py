@@ -25,6 +25,7 @@ from engine_svc.service import RecentIds
 from shared.protocol import (EngineRequest, FinishReason, GenerateRequest, ProtocolError, RequestOutput,
                              SamplingParams, StreamNames, check_deadline, decode, is_expired)
 from tests.invariants import assert_engine_idle
+from tests.unit.doubles import CountingTokenizer
 from tests.unit.test_gateway_flow import make_client, words  # noqa: F401 (make_client is a fixture)
 
 T0 = 1_700_000_000.0  # the fake wall clock's start (unix time)
@@ -220,24 +221,6 @@ def test_the_deadline_crosses_the_wire_and_every_hop_can_check_it():
         with pytest.raises(ProtocolError):
             check_deadline(bad)
     assert not is_expired(0.0, T0) and not is_expired(T0 + 1, T0) and is_expired(T0, T0)
-
-
-class CountingTokenizer:
-    """A HF tokenizer that counts the batches it is asked to encode."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.num_calls = 0
-
-    def __getattr__(self, name):
-        return getattr(self.tokenizer, name)
-
-    def __len__(self):
-        return len(self.tokenizer)
-
-    def __call__(self, *args, **kwargs):
-        self.num_calls += 1
-        return self.tokenizer(*args, **kwargs)
 
 
 def test_the_tokenizer_answers_an_expired_request_without_tokenizing_it(default_model_dir):

@@ -13,51 +13,29 @@ import json
 import time
 
 import pytest
-from starlette.testclient import TestClient
 
 from gateway.app import build_app
-from gateway.collector import Collector
 from gateway.config import GatewayLimits
-from gateway.context import GatewayContext
 from shared.config import GatewayConfig
 from shared.protocol import (ErrorInfo, FinishReason, GenerateRequest, Heartbeat, RequestOutput,
                              TextLogprobs, Usage)
+from tests.unit.doubles import BusFreeContext
+from tests.unit.doubles import SilentReader as _SilentReader  # noqa: F401 (test_gateway_direct.py imports it here)
 
 
-class _SilentReader:
-    async def read(self, count=0, block_ms=None):
-        await asyncio.sleep(3600)
-        return []
-
-    async def close(self):
-        pass
-
-
-class ScriptedContext(GatewayContext):
+class ScriptedContext(BusFreeContext):
     """GatewayContext whose bus is a function GenerateRequest -> list[RequestOutput]."""
 
     def __init__(self, config, limits, script):
         super().__init__(config, limits)
         self.script = script
-        self.submitted: list[GenerateRequest] = []
-        self.aborted: list[tuple[str, ...]] = []
-
-    async def open(self):
-        self.collector = Collector(_SilentReader())
-        self.collector.start()
-
-    async def close(self):
-        await self.collector.stop()
 
     async def submit(self, requests):
-        self.submitted.extend(requests)
+        await super().submit(requests)
         loop = asyncio.get_running_loop()
         for request in requests:
             for out in self.script(request):
                 loop.call_soon(self.collector.deliver, out)
-
-    def abort(self, request_ids, reason):
-        self.aborted.append(tuple(request_ids))
 
 
 def words(request: GenerateRequest, texts=("Hello", " world"), *, duplicate=False, logprobs=False):
@@ -79,22 +57,15 @@ def words(request: GenerateRequest, texts=("Hello", " world"), *, duplicate=Fals
 
 
 @pytest.fixture
-def make_client():
-    clients = []
-
+def make_client(serve_gateway):
     def make(script, **settings):
         """``settings``: GatewayLimits fields go to the limits, the rest to the GatewayConfig."""
         limit_names = {f.name for f in dataclasses.fields(GatewayLimits)}
         config = GatewayConfig(served_model_name="tiny", **{k: v for k, v in settings.items() if k not in limit_names})
         ctx = ScriptedContext(config, GatewayLimits(**{k: v for k, v in settings.items() if k in limit_names}), script)
-        client = TestClient(build_app(config, context=ctx), raise_server_exceptions=False)
-        client.__enter__()
-        clients.append(client)
-        return client, ctx
+        return serve_gateway(config, ctx), ctx
 
-    yield make
-    for client in clients:
-        client.__exit__(None, None, None)
+    return make
 
 
 def sse_events(resp) -> list:

@@ -12,16 +12,14 @@ import time
 
 import pytest
 from starlette.requests import Request
-from starlette.testclient import TestClient
 
-from gateway.app import _check_message_sizes, _read_body, build_app
-from gateway.collector import Collector
-from gateway.context import GatewayContext
+from gateway.app import _check_message_sizes, _read_body
 from gateway.errors import APIError
 from gateway.health import HealthPoller, readiness
 from shared.config import ENGINE_ROLES
 from shared.config import GatewayConfig, GatewayLimits
 from shared.protocol import MAX_MESSAGE_BYTES, GenerateRequest, Heartbeat, SamplingParams
+from tests.unit.doubles import BusFreeContext, CountingTokenizer
 
 
 def beat(service: str, service_id: str, age_s: float = 0.0, **stats) -> tuple[bytes, bytes]:
@@ -38,54 +36,24 @@ def stack_beats(*, num_detok_shards: int = 1, **ages) -> dict[bytes, bytes]:
                 for kind, sid in ids)
 
 
-class _SilentReader:
-    async def read(self, count=0, block_ms=None):
-        await asyncio.sleep(3600)
-        return []
-
-    async def close(self):
-        pass
-
-
-class ListContext(GatewayContext):
+class ListContext(BusFreeContext):
     """The real context with its Redis ends replaced: submissions are listed, the heartbeat hash is
     whatever the test sets (``health.raw``); nothing here can reach Redis."""
 
     def __init__(self, config, limits):
         super().__init__(config, limits)
-        self.submitted: list[GenerateRequest] = []
         self.health = HealthPoller(None, "unused", interval_s=1.0, timeout_s=1.0)
-
-    async def open(self):
-        self.collector = Collector(_SilentReader())
-        self.collector.start()
-
-    async def close(self):
-        await self.collector.stop()
-
-    async def submit(self, requests):
-        self.submitted.extend(requests)
-
-    def abort(self, request_ids, reason):
-        pass
 
 
 @pytest.fixture
-def make_gateway():
-    clients = []
-
+def make_gateway(serve_gateway):
     def make(api_key=None, max_model_len=64, max_prompt_chars=640, **limits):
         config = GatewayConfig(served_model_name="tiny", api_key=api_key, max_model_len=max_model_len)
         ctx = ListContext(config, GatewayLimits(**limits))
         ctx.max_prompt_chars = max_prompt_chars  # what loading the tokenizer sets (max_model_len x longest token)
-        client = TestClient(build_app(config, context=ctx), raise_server_exceptions=False)
-        client.__enter__()
-        clients.append(client)
-        return client, ctx
+        return serve_gateway(config, ctx), ctx
 
-    yield make
-    for client in clients:
-        client.__exit__(None, None, None)
+    return make
 
 
 def assert_envelope(resp, status: int, type_: str, param: str | None = None) -> dict:
@@ -271,28 +239,6 @@ def test_a_half_sent_body_times_out_with_408():
 
 
 # ----------------------------------------------------------------------------- the tokenizer's bounded work
-
-
-class CountingTokenizer:
-    """A HF tokenizer that counts what it is asked to encode."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.num_calls = 0
-
-    def __getattr__(self, name):
-        return getattr(self.tokenizer, name)
-
-    def __len__(self):
-        return len(self.tokenizer)
-
-    def __call__(self, *args, **kwargs):
-        self.num_calls += 1
-        return self.tokenizer(*args, **kwargs)
-
-    def encode(self, *args, **kwargs):
-        self.num_calls += 1
-        return self.tokenizer.encode(*args, **kwargs)
 
 
 def test_the_tokenizer_refuses_text_that_cannot_fit_without_tokenizing_it(default_model_dir):
