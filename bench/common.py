@@ -268,3 +268,66 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+# ---------------------------------------------------------------------------- peers' virtual environments
+class PeerVenv:
+    """A peer system's own virtual environment under .peers/ (never a dependency of pagedserve),
+    built by steps that are each printed; a stamp file naming the installed version makes a
+    second build a no-op."""
+
+    def __init__(self, peer_dir: Path, tag: str):
+        self.peer_dir, self.tag = peer_dir, tag
+        self.bin = peer_dir / "bin"
+        self.python = self.bin / "python"
+        self.pip = [str(self.python), "-m", "pip"]
+        self._stamp = peer_dir / ".installed-stamp"
+        self._start = time.perf_counter()
+
+    def has(self, version: str) -> bool:
+        return self._stamp.is_file() and self._stamp.read_text().strip() == version
+
+    def create(self) -> None:
+        """The venv (unless its python is there already), with pip upgraded."""
+        self._start = time.perf_counter()
+        if not self.python.is_file():
+            self.step(f"creating the virtual environment {self.peer_dir}",
+                      [sys.executable, "-m", "venv", str(self.peer_dir)])
+        self.step("upgrading pip", [*self.pip, "install", "-q", "--upgrade", "pip"])
+
+    def step(self, what: str, argv: list[str], env: dict | None = None, quiet: bool = False) -> None:
+        """Run one step (``quiet``: its output is kept, and shown only when it fails); exit on failure."""
+        import subprocess
+
+        self.say(what)
+        t0 = time.perf_counter()
+        proc = subprocess.run(argv, env=env, capture_output=quiet, text=True)
+        if proc.returncode != 0:
+            detail = f"\n{proc.stderr}" if proc.stderr else ""
+            raise SystemExit(f"failed ({proc.returncode}): {' '.join(argv)}{detail}"[-4000:])
+        self.say(f"  done in {time.perf_counter() - t0:.0f} s")
+
+    def mark_installed(self, name: str, version: str) -> Path:
+        """Write the stamp once every step has passed; the venv's bin/."""
+        self._stamp.write_text(version + "\n")
+        self.say(f"{name} {version} ready in {self.peer_dir} ({time.perf_counter() - self._start:.0f} s)")
+        return self.bin
+
+    def say(self, line: str) -> None:
+        print(f"[{self.tag}] {line}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------- child processes
+def stop_group(proc, grace_s: float = 15.0) -> None:
+    """SIGTERM the process group ``proc`` leads (started with ``process_group=0``), SIGKILL it
+    after ``grace_s``; nothing when it has exited already."""
+    import signal
+    import subprocess
+
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

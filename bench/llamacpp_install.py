@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import PeerVenv  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PEER_DIR = REPO_ROOT / ".peers" / "llamacpp"
@@ -26,37 +27,18 @@ LLAMACPP_VERSION = "0.3.36"  # newest on PyPI (`pip index versions llama-cpp-pyt
 
 def ensure_llamacpp(peer_dir: Path = PEER_DIR, version: str = LLAMACPP_VERSION, jobs: int = 2) -> Path:
     """Build llama-cpp-python[server]==`version` into `peer_dir` unless its stamp says so; its bin/."""
-    stamp = peer_dir / ".installed-stamp"
-    if stamp.is_file() and stamp.read_text().strip() == version:
-        return peer_dir / "bin"
-    start = time.perf_counter()
-    python = peer_dir / "bin" / "python"
-    if not python.is_file():
-        _step(f"creating the virtual environment {peer_dir}", [sys.executable, "-m", "venv", str(peer_dir)])
-    pip = [str(python), "-m", "pip"]
-    _step("upgrading pip", [*pip, "install", "-q", "--upgrade", "pip"])
+    venv = PeerVenv(peer_dir, "llamacpp-install")
+    if venv.has(version):
+        return venv.bin
+    venv.create()
     env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(jobs)}
-    _step(f"building llama-cpp-python[server]=={version} from source ({jobs} jobs, nice 19; minutes)",
-          ["nice", "-n", "19", *pip, "install", "--no-binary", "llama-cpp-python",
-           f"llama-cpp-python[server]=={version}"], env=env)
-    _step("checking `import llama_cpp.server`",
-          [str(python), "-c", "import llama_cpp, llama_cpp.server.app; print('llama_cpp', llama_cpp.__version__)"])
-    stamp.write_text(version + "\n")
-    _say(f"llama-cpp-python {version} ready in {peer_dir} ({time.perf_counter() - start:.0f} s)")
-    return peer_dir / "bin"
-
-
-def _step(what: str, argv: list[str], env: dict | None = None) -> None:
-    _say(what)
-    t0 = time.perf_counter()
-    proc = subprocess.run(argv, env=env)
-    if proc.returncode != 0:
-        raise SystemExit(f"failed ({proc.returncode}): {' '.join(argv)}")
-    _say(f"  done in {time.perf_counter() - t0:.0f} s")
-
-
-def _say(line: str) -> None:
-    print(f"[llamacpp-install] {line}", file=sys.stderr, flush=True)
+    venv.step(f"building llama-cpp-python[server]=={version} from source ({jobs} jobs, nice 19; minutes)",
+              ["nice", "-n", "19", *venv.pip, "install", "--no-binary", "llama-cpp-python",
+               f"llama-cpp-python[server]=={version}"], env=env)
+    venv.step("checking `import llama_cpp.server`",
+              [str(venv.python), "-c",
+               "import llama_cpp, llama_cpp.server.app; print('llama_cpp', llama_cpp.__version__)"])
+    return venv.mark_installed("llama-cpp-python", version)
 
 
 def main(argv=None) -> None:

