@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import TINY_MAX_MODEL_LEN
+from tests.e2e.engines import forget_heartbeat, start_engine
 from tests.e2e.stack import Stack
 
 # float32: a re-prefill computes exactly what the decode steps did (bfloat16 may round differently)
@@ -46,12 +47,8 @@ def kill_mid_stream_and_compare(stack: Stack, engine_args: list[str], requests: 
     """Run ``requests`` once on the healthy pair of engines, then again with only the second engine
     admitting them, which is frozen and SIGKILLed once every stream is under way: every stream
     completes on the survivor with the first run's text, and nothing is left afterwards."""
-    victim = stack.start_service("engine-b", "engine_svc", "--service-id", "engine-1", *engine_args)
+    victim = start_engine(stack, "engine-b", "engine-1", *engine_args, timeout_s=300)
     survivor = stack.service("engine")
-    deadline = time.monotonic() + 300
-    while "engine-1" not in stack.heartbeats():
-        assert time.monotonic() < deadline, stack.logs()
-        time.sleep(0.25)
 
     async def scenario():
         async with openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="x", max_retries=0,
@@ -84,8 +81,7 @@ def kill_mid_stream_and_compare(stack: Stack, engine_args: list[str], requests: 
         assert got == want, request
     assert seconds < 90  # the heartbeat age (10 s) and a check (2 s), then the rest of the tokens
     assert all(5 <= c < max_tokens // 2 for c in cut), cut  # every stream was cut early: the rest is the survivor's
-    with stack.redis() as client:  # the dead engine's stale heartbeat is no request state: forget it
-        client.hdel(stack.names.heartbeat, "engine-1")
+    forget_heartbeat(stack, "engine-1")
     stack.assert_idle(timeout_s=20)
 
 
@@ -125,12 +121,8 @@ def test_a_client_that_leaves_while_its_engine_is_dead_leaves_nothing_behind(red
                   engine_args=TINY_ARGS)
     stack.start()
     try:
-        victim = stack.start_service("engine-b", "engine_svc", "--service-id", "engine-1", *TINY_ARGS)
+        victim = start_engine(stack, "engine-b", "engine-1", *TINY_ARGS)
         survivor = stack.service("engine")
-        deadline = time.monotonic() + 120
-        while "engine-1" not in stack.heartbeats():
-            assert time.monotonic() < deadline, stack.logs()
-            time.sleep(0.25)
 
         async def scenario():
             async with openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="x", max_retries=0,
@@ -152,8 +144,7 @@ def test_a_client_that_leaves_while_its_engine_is_dead_leaves_nothing_behind(red
 
         text = asyncio.run(scenario())
         assert text
-        with stack.redis() as client:
-            client.hdel(stack.names.heartbeat, "engine-1")
+        forget_heartbeat(stack, "engine-1")
         stack.assert_idle(timeout_s=RESUME_TIMEOUT_S + 25)  # the shard's expiry runs every 10 s
     finally:
         stack.stop()

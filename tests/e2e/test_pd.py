@@ -20,6 +20,7 @@ import pytest
 
 from shared.protocol import SamplingParams
 from tests.e2e.conftest import TINY_ENGINE_ARGS, TINY_MAX_MODEL_LEN, openai_client
+from tests.e2e.engines import assert_idle_without, start_engine
 from tests.e2e.stack import Stack
 
 ENGINE_ARGS = [*TINY_ENGINE_ARGS, "--dtype", "float32"]
@@ -171,13 +172,8 @@ def test_streams_of_a_killed_decode_engine_complete_on_another_with_the_same_tex
 
     stack = start_pd_stack(redis_url, tiny_llama_dir, tmp_path)
     try:
-        other = stack.start_service("engine-d1", "engine_svc", "--service-id", "engine-d1", "--role", "decode",
-                                    *ENGINE_ARGS)
+        other = start_engine(stack, "engine-d1", "engine-d1", "--role", "decode", *ENGINE_ARGS)
         victim = stack.service("engine-d0")
-        deadline = time.monotonic() + 120
-        while "engine-d1" not in stack.heartbeats():
-            assert time.monotonic() < deadline, stack.logs()
-            time.sleep(0.25)
 
         async def one(client, prompt: str, progress: list[int] | None = None) -> str:
             stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=200, temperature=0,
@@ -215,15 +211,7 @@ def test_streams_of_a_killed_decode_engine_complete_on_another_with_the_same_tex
         assert not [r for r in results if isinstance(r, BaseException)], (results, stack.logs())
         assert results == baseline
         assert all(5 <= c < 100 for c in cut), cut  # cut early: the rest came from engine-d1
-        with stack.redis() as client:  # the dead engine's stale heartbeat is no request state
-            client.hdel(stack.names.heartbeat, "engine-d0")
-        deadline = time.monotonic() + 20
-        problems = ["not checked"]
-        while problems and time.monotonic() < deadline:
-            since = time.time()
-            time.sleep(1.2)
-            problems = [p for p in stack.idle_problems(since) if "engine-d0" not in p]
-        assert not problems, (problems, stack.logs())
+        assert_idle_without(stack, "engine-d0", timeout_s=20)
         d1 = stack.heartbeats()["engine-d1"].stats
         assert d1["num_free_blocks"] == d1["num_total_blocks"] and d1["num_requests"] == 0
         assert d1["kv_num_loaded"] >= 4  # the resumed requests came to it through the hand-off
@@ -276,13 +264,9 @@ def test_a_decode_engine_killed_before_its_load_leaves_its_requests_to_another(r
     expected = reference(reference_engine, prompts, max_tokens=max_tokens, ignore_eos=True)
     stack = start_pd_stack(redis_url, tiny_llama_dir, tmp_path)
     try:
-        victim = stack.start_service("engine-d1", "engine_svc", "--service-id", "engine-d1", "--role", "decode",
-                                     "--kv-transfer-fault", "stall", *ENGINE_ARGS)
+        victim = start_engine(stack, "engine-d1", "engine-d1", "--role", "decode", "--kv-transfer-fault", "stall",
+                              *ENGINE_ARGS)
         other = stack.service("engine-d0")
-        deadline = time.monotonic() + 120
-        while "engine-d1" not in stack.heartbeats():
-            assert time.monotonic() < deadline, stack.logs()
-            time.sleep(0.25)
 
         async def one(client, prompt: str) -> str:
             stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
@@ -315,15 +299,7 @@ def test_a_decode_engine_killed_before_its_load_leaves_its_requests_to_another(r
         assert entries  # the victim died holding at least one KV entry it had not loaded
         assert delay < 60, delay  # the heartbeat goes stale in 10 s; a re-prefill and 24 tokens take far less
         victim.proc.wait(timeout=10)
-        with stack.redis() as client:  # the dead engine's stale heartbeat is no request state
-            client.hdel(stack.names.heartbeat, "engine-d1")
-        deadline = time.monotonic() + 30
-        problems = ["not checked"]
-        while problems and time.monotonic() < deadline:
-            since = time.time()
-            time.sleep(1.2)
-            problems = [p for p in stack.idle_problems(since) if "engine-d1" not in p]
-        assert not problems, (problems, stack.logs())  # no ps:kv:* key among them: the entry did not leak
+        assert_idle_without(stack, "engine-d1", timeout_s=30)  # no ps:kv:* key left: the entry did not leak
         beats = stack.heartbeats()
         d0 = beats["engine-d0"].stats
         assert d0["kv_num_loaded"] >= 1 and d0["num_requests"] == 0

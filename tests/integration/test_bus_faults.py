@@ -248,6 +248,20 @@ def _run(service, seconds: float = 0.5) -> None:
         service.run_once(20)
 
 
+def _detok_serving_a(redis_url, redis_client, names, hf_tokenizer, engine_max_age_s: float):
+    """A detok shard that holds request "a" of gateway "g" on engine-0, both beating; returns the
+    engine's HeartbeatWriter, the shard and g's reply stream."""
+    reply = names.gateway_out("g")
+    engine = HeartbeatWriter(redis_client, names.heartbeat, "engine", "engine-0", interval_s=0.05)
+    engine.beat({})
+    redis_client.hset(names.heartbeat, "gateway-g", heartbeat_value("gateway", "gateway-g", {}))
+    service = _detok(redis_url, names.prefix, hf_tokenizer, engine_max_age_s=engine_max_age_s)
+    Producer(redis_client).send_many((names.detok_in(0), m) for m in _request(hf_tokenizer, "a", reply))
+    _run(service, 0.3)
+    assert set(service.processor.requests) == {"a"}
+    return engine, service, reply
+
+
 def test_a_restarted_detok_drops_the_requests_of_a_gone_gateway_and_never_recreates_its_stream(
         redis_url, redis_client, stream_names, hf_tokenizer):
     names = stream_names
@@ -269,14 +283,8 @@ def test_a_restarted_detok_drops_the_requests_of_a_gone_gateway_and_never_recrea
 def test_right_after_a_flush_a_missing_gateway_or_engine_is_not_gone(redis_url, redis_client, stream_names,
                                                                      hf_tokenizer):
     names = stream_names
-    reply = names.gateway_out("g")
-    engine = HeartbeatWriter(redis_client, names.heartbeat, "engine", "engine-0", interval_s=0.05)
-    engine.beat({})
-    redis_client.hset(names.heartbeat, "gateway-g", heartbeat_value("gateway", "gateway-g", {}))
-    service = _detok(redis_url, names.prefix, hf_tokenizer, engine_max_age_s=3.0)
-    Producer(redis_client).send_many((names.detok_in(0), m) for m in _request(hf_tokenizer, "a", reply))
-    _run(service, 0.3)
-    assert set(service.processor.requests) == {"a"} and service._seen_engines == {"engine-0"}
+    _, service, reply = _detok_serving_a(redis_url, redis_client, names, hf_tokenizer, engine_max_age_s=3.0)
+    assert service._seen_engines == {"engine-0"}
     redis_client.delete(names.heartbeat)  # FLUSHALL, as far as the hash goes
     Producer(redis_client).send(names.detok_in(0), TokenDelta(
         request_id="a", seq=1, new_token_ids=tuple(hf_tokenizer.encode(" again", add_special_tokens=False)),
@@ -289,15 +297,8 @@ def test_right_after_a_flush_a_missing_gateway_or_engine_is_not_gone(redis_url, 
 
 def test_an_engine_that_stopped_cleanly_fails_its_requests_at_once(redis_url, redis_client, stream_names,
                                                                    hf_tokenizer):
-    names = stream_names
-    reply = names.gateway_out("g")
-    engine = HeartbeatWriter(redis_client, names.heartbeat, "engine", "engine-0", interval_s=0.05)
-    engine.beat({})
-    redis_client.hset(names.heartbeat, "gateway-g", heartbeat_value("gateway", "gateway-g", {}))
-    service = _detok(redis_url, names.prefix, hf_tokenizer, engine_max_age_s=30.0)
-    Producer(redis_client).send_many((names.detok_in(0), m) for m in _request(hf_tokenizer, "a", reply))
-    _run(service, 0.3)
-    assert set(service.processor.requests) == {"a"}
+    engine, service, reply = _detok_serving_a(redis_url, redis_client, stream_names, hf_tokenizer,
+                                              engine_max_age_s=30.0)
     engine.remove()
     _run(service, 0.3)
     last = _msgs(redis_client, reply)[-1]
