@@ -1,5 +1,5 @@
 """Builds and loads the C++ CPU kernels on first use: cpu_kernels.cpp (paged decode attention),
-cpu_gemv.cpp (the small-batch linear layer) and cpu_bitmask.cpp (structured outputs' logits mask).
+cpu_prefill.cpp (paged prefill attention, bfloat16), cpu_gemv.cpp (the small-batch linear layer) and cpu_bitmask.cpp (structured outputs' logits mask).
 
 One shared library is compiled with g++ straight against torch's headers and libraries (no
 ninja, no pybind: the ops are registered with TORCH_LIBRARY and called as
@@ -33,7 +33,8 @@ from engine_svc import cpu_info
 
 logger = logging.getLogger("pagedserve.attention")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_gemv.cpp", "cpu_bitmask.cpp")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("cpu_kernels.cpp", "cpu_prefill.cpp", "cpu_gemv.cpp", "cpu_bitmask.cpp")]
 BASE_FLAGS = ["-std=c++17", "-O3", "-fPIC", "-shared", "-fopenmp", "-fno-trapping-math", "-Wno-unused-parameter"]
 ENV_SWITCH = "PAGEDSERVE_CPU_KERNELS"
 PREBUILT_ENV = "PAGEDSERVE_CPU_KERNELS_DIR"
@@ -64,6 +65,18 @@ def decode_kernel_for(query, k_cache, v_cache, block_tables, context_lens):
             and block_tables.device.type == context_lens.device.type == "cpu"):
         return None
     return paged_decode_op()
+
+
+def prefill_kernel_for(query, k_cache, v_cache):
+    """torch.ops.pagedserve_cpu.paged_prefill when it can serve these tensors (CPU, a bfloat16
+    pool, a CPU with AVX512-BF16, head size 64 or 128), else None: the caller then gathers the
+    context and runs torch's SDPA."""
+    if not (query.device.type == k_cache.device.type == "cpu" and query.dtype == k_cache.dtype == v_cache.dtype
+            == torch.bfloat16 and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    if paged_decode_op() is None or not torch.ops.pagedserve_cpu.paged_prefill_supported(query.shape[-1]):
+        return None
+    return torch.ops.pagedserve_cpu.paged_prefill
 
 
 def linear_op():
@@ -164,4 +177,5 @@ def _torch_libs() -> list[str]:
     return [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-lc10", "-ltorch_cpu", "-ltorch"]
 
 
-__all__ = ["enabled", "paged_decode_op", "decode_kernel_for", "linear_op", "build", "cache_dir", "prebuild", "prebuilt"]
+__all__ = ["enabled", "paged_decode_op", "decode_kernel_for", "prefill_kernel_for", "linear_op", "build", "cache_dir",
+           "prebuild", "prebuilt"]

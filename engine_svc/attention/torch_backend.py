@@ -14,8 +14,10 @@ and fast:
 The per-step index work is cached and reused by every layer of the step (same tensors in).
 
 On CPU, decode rows go to the C++ kernel of cpu_ops instead when it is available: it reads K/V
-in place through the block tables (no gather copy). The torch path below stays the reference
-and the fallback (PAGEDSERVE_CPU_KERNELS=0 forces it).
+in place through the block tables (no gather copy); so do a bfloat16 pool's prefill rows on a
+CPU with AVX512-BF16 (cpu_prefill.cpp, a causal flash attention over the pool, cached prefix
+included). The torch path below stays the reference and the fallback (PAGEDSERVE_CPU_KERNELS=0
+forces it).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine_svc.attention.cpu_ops import decode_kernel_for
+from engine_svc.attention.cpu_ops import decode_kernel_for, prefill_kernel_for
 
 BUCKET_FILL = 0.75  # a decode bucket pads no row to more than 1/0.75 of its own length
 MAX_BUCKETS = 6
@@ -111,6 +113,10 @@ class TorchAttentionBackend:
             o = (kernel(q, k_cache, v_cache, decode.block_tables, decode.context_lens, scale) if kernel is not None
                  else _decode(q, k_cache, v_cache, decode.groups, scale))
             out.index_copy_(0, decode.rows, o)
+        prefill = prefill_kernel_for(query, k_cache, v_cache) if seqs else None
+        if prefill is not None:  # every multi-token row at once, K/V read in place
+            prefill(query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, 2, out)
+            return out
         for seq in seqs:
             q = query[seq.start : seq.end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             k, v = (cache.index_select(0, seq.blocks).flatten(0, 1)[: seq.context_len].transpose(0, 1).unsqueeze(0)

@@ -1,0 +1,277 @@
+// Paged prefill attention for CPU: causal flash attention over a bfloat16 pool, read in place.
+//
+// A work item is 16 rows of one (sequence, kv head): the GQA group's query heads at consecutive
+// query positions (row = position x group + head), one row per lane of a float32 vector, so the
+// softmax needs no horizontal reduction and each K and V row is read once for every head that
+// shares it. Query i of a sequence sits at position context_len - q_len + i (a cached prefix
+// comes first) and sees keys 0..that position. Keys are visited in chunks of kChunk with an online
+// softmax (running max and sum per lane, the output rescaled when the max moves):
+//
+//   scores   s[k][r] = scale * q[r] . K[k]: the rows' queries packed once as bf16 pairs of dims;
+//            each key's row is broadcast pair by pair straight from the pool (VDPBF16PS, 16 keys at once)
+//   softmax  mask k > position, new max, exp, sum, the weights to bf16 pairs of keys
+//   values   o[d][r] = corr * o[d][r] + sum_k p[k][r] V[k][d]: the chunk's V rows packed as pairs
+//            of keys per dim, broadcast per dim (VDPBF16PS, 16 dims at once)
+//
+// Products are exact bf16 x bf16 sums in float32, the weights are rounded to bf16 before the
+// values product (as a bf16 GEMM would), the output is float32 until the final division.
+// Slots past a sequence's context are never read. Items run longest first on a dynamic schedule:
+// the rows near a prompt's end read the most keys. The polynomial of exp512_nonpos is
+// cpu_kernels.cpp's exp_nonpos (Cephes), on 16 lanes.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define PAGEDSERVE_BF16_PREFILL 1
+#endif
+
+namespace {
+
+#ifdef PAGEDSERVE_BF16_PREFILL
+constexpr int kRows = 16;   // rows per work item: one per lane of a float32 vector
+constexpr int kChunk = 64;  // keys per online-softmax step
+constexpr int kKeys = 16;   // keys whose scores are computed together (16 accumulators)
+
+struct Item {
+  int64_t seq, kv_head, row_begin, cost;
+};
+
+struct Problem {
+  const c10::BFloat16 *query, *k_cache, *v_cache;
+  const int32_t *tables, *starts, *lens;
+  c10::BFloat16* out;
+  int64_t num_heads, num_kv_heads, block_size, max_blocks, num_blocks;
+  float scale;
+};
+
+// Per-thread scratch; every matrix is transposed so that a row of the tile is a vector lane.
+template <int D>
+struct Scratch {
+  alignas(64) uint32_t qp[D / 2][kRows];     // query dims (2p, 2p + 1) of each row, as bf16 pairs
+  alignas(64) float s[kChunk][kRows];        // scores, then weights
+  alignas(64) uint32_t pp[kChunk / 2][kRows];  // weights of keys (2j, 2j + 1) of each row, as bf16 pairs
+  alignas(64) uint32_t vp[kChunk / 2][D];    // V[2j][d], V[2j + 1][d] as bf16 pairs
+  alignas(64) float o[D][kRows];             // output accumulators
+  __mmask16 valid[kChunk];                   // rows that see each key of the chunk
+};
+
+// exp(x) for x <= 0 on 16 lanes: the polynomial of exp_nonpos, scaled by 2^k with VSCALEFPS.
+inline __m512 exp512_nonpos(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, k);
+}
+
+// 16-bit lanes (a[i], b[i]) for i in [0, 16) and [16, 32) of two vectors of 32
+const __m512i kInterleaveLo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                               39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+const __m512i kInterleaveHi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
+                                               55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+
+// (a[i], b[i]) as bf16 pairs, i = 0..15, rounded to nearest even.
+inline __m512i bf16_pairs(__m512 a, __m512 b) {
+  const __m512i lo = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(a));
+  const __m512i hi = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(b));
+  return _mm512_permutex2var_epi16(lo, kInterleaveLo, hi);
+}
+
+template <int D>
+void run_item(const Problem& P, const Item& it, Scratch<D>& w) {
+  const int64_t group = P.num_heads / P.num_kv_heads;
+  const int64_t q_len = P.starts[it.seq + 1] - P.starts[it.seq], ctx = P.lens[it.seq];
+  const int64_t rows = std::min<int64_t>(kRows, q_len * group - it.row_begin);
+  const int32_t* table = P.tables + it.seq * P.max_blocks;
+  const int64_t row_stride = P.num_kv_heads * D;
+  // row r of the tile = query position (row_begin + r) / group, head (row_begin + r) % group; lanes past
+  // `rows` repeat the last row (computed, never written)
+  alignas(64) int32_t pos[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t row = it.row_begin + std::min<int64_t>(r, rows - 1);
+    const int64_t token = P.starts[it.seq] + row / group;
+    pos[r] = int32_t(ctx - q_len + row / group);
+    const uint32_t* q = reinterpret_cast<const uint32_t*>(P.query + (token * P.num_heads + it.kv_head * group + row % group) * D);
+    for (int p = 0; p < D / 2; ++p) w.qp[p][r] = q[p];
+  }
+  const __m512i positions = _mm512_load_si512(pos);
+  const int64_t visible = pos[kRows - 1] + 1, first = pos[0];  // keys [0, visible) matter to some row
+  for (int d = 0; d < D; ++d) _mm512_store_ps(w.o[d], _mm512_setzero_ps());
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), l = _mm512_setzero_ps();
+  // the pool rows of keys [k0, k0 + n) of this kv head, walking the block table (no division per key)
+  const uint32_t *krow[kChunk], *vrow[kChunk];
+  auto locate = [&](int64_t k0, int n) {
+    int64_t b = k0 / P.block_size, off = k0 % P.block_size;
+    for (int k = 0; k < n;) {
+      const int32_t block = table[b];  // checked by run_all, outside the parallel region
+      const int64_t base = (int64_t(block) * P.block_size) * row_stride + it.kv_head * D;
+      for (; off < P.block_size && k < n; ++off, ++k) {
+        krow[k] = reinterpret_cast<const uint32_t*>(P.k_cache + base + off * row_stride);
+        vrow[k] = reinterpret_cast<const uint32_t*>(P.v_cache + base + off * row_stride);
+      }
+      ++b, off = 0;
+    }
+  };
+  const __m512 scale = _mm512_set1_ps(P.scale);
+  for (int64_t k0 = 0; k0 < visible; k0 += kChunk) {
+    const int nk = int(std::min<int64_t>(kChunk, visible - k0));
+    locate(k0, nk);
+    // scores: s[k][r] = scale * q[r] . K[k0 + k], 16 keys at a time, each key's dims broadcast as pairs
+    for (int kb = 0; kb < nk; kb += kKeys) {
+      const int n = std::min(kKeys, nk - kb);
+      const uint32_t* kr[kKeys];
+      for (int i = 0; i < kKeys; ++i) kr[i] = krow[kb + std::min(i, n - 1)];
+      __m512 acc[kKeys];
+      for (int i = 0; i < kKeys; ++i) acc[i] = _mm512_setzero_ps();
+      for (int p = 0; p < D / 2; ++p) {
+        const __m512bh q = (__m512bh)_mm512_load_si512(w.qp[p]);
+        for (int i = 0; i < kKeys; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], q, (__m512bh)_mm512_set1_epi32(int(kr[i][p])));
+      }
+      for (int i = 0; i < n; ++i) _mm512_store_ps(w.s[kb + i], _mm512_mul_ps(acc[i], scale));
+    }
+    // online softmax, every row in its lane: mask k > position, new max, weights, sum, rescale
+    __m512 mx = m;
+    for (int k = 0; k < nk; ++k) {
+      const int64_t key = k0 + k;
+      w.valid[k] = key <= first ? __mmask16(0xFFFF) : _mm512_cmpge_epi32_mask(positions, _mm512_set1_epi32(int(key)));
+      mx = _mm512_mask_max_ps(mx, w.valid[k], mx, _mm512_load_ps(w.s[k]));
+    }
+    const __m512 corr = exp512_nonpos(_mm512_sub_ps(m, mx));  // ~0 on the first chunk (m = -inf, o = 0)
+    m = mx;
+    __m512 sum = _mm512_setzero_ps();
+    for (int k = 0; k < nk; ++k) {
+      const __m512 e = _mm512_maskz_mov_ps(w.valid[k], exp512_nonpos(_mm512_sub_ps(_mm512_load_ps(w.s[k]), mx)));
+      sum = _mm512_add_ps(sum, e);
+      _mm512_store_ps(w.s[k], e);
+    }
+    if (nk % 2) _mm512_store_ps(w.s[nk], _mm512_setzero_ps());
+    l = _mm512_fmadd_ps(l, corr, sum);
+    const int pairs = (nk + 1) / 2;
+    for (int j = 0; j < pairs; ++j) _mm512_store_si512(w.pp[j], bf16_pairs(_mm512_load_ps(w.s[2 * j]), _mm512_load_ps(w.s[2 * j + 1])));
+    // V of the chunk as pairs of keys per dim (a missing odd key is zero)
+    for (int j = 0; j < pairs; ++j) {
+      const uint32_t* a = vrow[2 * j];
+      const uint32_t* b = 2 * j + 1 < nk ? vrow[2 * j + 1] : nullptr;
+      for (int d0 = 0; d0 < D; d0 += 32) {  // 32 dims of each key, interleaved into 2 x 16 pairs
+        const __m512i va = _mm512_loadu_si512(a + d0 / 2), vb = b ? _mm512_loadu_si512(b + d0 / 2) : _mm512_setzero_si512();
+        _mm512_store_si512(w.vp[j] + d0, _mm512_permutex2var_epi16(va, kInterleaveLo, vb));
+        _mm512_store_si512(w.vp[j] + d0 + 16, _mm512_permutex2var_epi16(va, kInterleaveHi, vb));
+      }
+    }
+    // values: o[d][r] = corr[r] * o[d][r] + sum_k p[k][r] V[k][d], 16 dims at a time
+    for (int d0 = 0; d0 < D; d0 += 16) {
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_mul_ps(_mm512_load_ps(w.o[d0 + i]), corr);
+      for (int j = 0; j < pairs; ++j) {
+        const __m512bh p = (__m512bh)_mm512_load_si512(w.pp[j]);
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], p, (__m512bh)_mm512_set1_epi32(int(w.vp[j][d0 + i])));
+      }
+      for (int i = 0; i < 16; ++i) _mm512_store_ps(w.o[d0 + i], acc[i]);
+    }
+  }
+  alignas(64) float inv[kRows];
+  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l));  // l >= 1: every row sees key 0 and its own max
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = it.row_begin + r, token = P.starts[it.seq] + row / group;
+    c10::BFloat16* dst = P.out + (token * P.num_heads + it.kv_head * group + row % group) * D;
+    for (int d = 0; d < D; ++d) dst[d] = c10::BFloat16(w.o[d][r] * inv[r]);
+  }
+}
+
+template <int D>
+void run_all(const Problem& P, int64_t num_seqs, int64_t min_q_len) {
+  std::vector<Item> items;
+  const int64_t group = P.num_heads / P.num_kv_heads;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = P.starts[s + 1] - P.starts[s], ctx = P.lens[s];
+    if (q_len < min_q_len || q_len == 0) continue;
+    TORCH_CHECK(q_len <= ctx && ctx <= P.max_blocks * P.block_size, "paged_prefill: bad lengths for sequence ", s);
+    for (int64_t b = 0; b < (ctx + P.block_size - 1) / P.block_size; ++b) {  // an exception must not leave a thread
+      const int32_t block = P.tables[s * P.max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < P.num_blocks, "paged_prefill: block id out of range");
+    }
+    for (int64_t h = 0; h < P.num_kv_heads; ++h)
+      for (int64_t row = 0; row < q_len * group; row += kRows) {
+        const int64_t last = std::min(q_len * group, row + kRows) - 1;
+        items.push_back({s, h, row, ctx - q_len + last / group + 1});  // cost: the keys it reads
+      }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const int threads = std::max<int>(1, std::min<int64_t>(at::get_num_threads(), int64_t(items.size())));
+#pragma omp parallel num_threads(threads)
+  {
+    Scratch<D> w;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < int64_t(items.size()); ++i) run_item<D>(P, items[i], w);
+  }
+}
+#endif
+
+bool prefill_supported(int64_t head_dim) {
+#ifdef PAGEDSERVE_BF16_PREFILL
+  return head_dim == 64 || head_dim == 128;
+#else
+  return false;
+#endif
+}
+
+// query [T, H, D] bf16; k/v_cache [num_blocks, block_size, Hkv, D] bf16; block_tables [S, max_blocks],
+// query_start_loc [S + 1], context_lens [S] int32. Rows of sequences with q_len < min_q_len are left
+// as they are in `out` (the caller serves them, e.g. with the decode kernel).
+void paged_prefill(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                   double scale, int64_t min_q_len, at::Tensor out) {
+  TORCH_CHECK(prefill_supported(query.size(2)), "paged_prefill: needs AVX512-BF16 and a head size of 64 or 128");
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "paged_prefill: bfloat16 only");
+  TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && out.sizes() == query.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(), "paged_prefill: contiguous tensors only");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
+                  context_lens.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  query_start_loc.is_contiguous() && context_lens.is_contiguous(),
+              "paged_prefill: int32 contiguous metadata");
+  const int64_t num_seqs = context_lens.numel();
+  TORCH_CHECK(block_tables.size(0) == num_seqs && query_start_loc.numel() == num_seqs + 1, "one table per sequence");
+  TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(2) == 0, "head layout mismatch");
+  TORCH_CHECK(query_start_loc.data_ptr<int32_t>()[num_seqs] <= query.size(0), "query_start_loc past the query");
+#ifdef PAGEDSERVE_BF16_PREFILL
+  const Problem P{query.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
+                  block_tables.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
+                  out.data_ptr<c10::BFloat16>(), query.size(1), k_cache.size(2), k_cache.size(1), block_tables.size(1),
+                  k_cache.size(0), static_cast<float>(scale)};
+  if (query.size(2) == 64)
+    run_all<64>(P, num_seqs, min_q_len);
+  else
+    run_all<128>(P, num_seqs, min_q_len);
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+  m.def("paged_prefill(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
+        "Tensor context_lens, float scale, int min_q_len, Tensor(a!) out) -> ()");
+  m.def("paged_prefill_supported(int head_dim) -> bool", &prefill_supported);
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("paged_prefill", &paged_prefill); }

@@ -1,0 +1,139 @@
+"""The C++ paged prefill kernel (engine_svc/attention/cpu_prefill.cpp) against a float32 reference.
+
+The reference gathers each sequence's context and runs torch's SDPA in float32 with an explicit
+causal mask shifted by the cached prefix. Every cache slot that no sequence wrote holds NaN, so a
+read past a context shows up in the output; block tables are shuffled. The kernel rounds the
+softmax weights to bfloat16 before the values product and the output once, so it is held to a
+bfloat16 tolerance (an output near 3 has an ulp of 0.016).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_svc.attention import TorchAttentionBackend, cpu_ops, torch_backend
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler (g++/c++): the CPU kernels cannot be built")
+    assert cpu_ops.paged_decode_op() is not None, "a C++ compiler exists but the CPU kernels did not build"
+    if not torch.ops.pagedserve_cpu.paged_prefill_supported(64):
+        pytest.skip("this CPU has no AVX512-BF16: prefill stays on the torch path")
+    return torch.ops.pagedserve_cpu.paged_prefill
+
+
+def make_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, seed):
+    """seqs: [(q_len, context_len)]. A NaN bfloat16 pool with each context's K/V in shuffled blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-ctx // block_size) for _, ctx in seqs]
+    num_blocks = sum(blocks_per_seq) + 4
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, math.nan, dtype=torch.bfloat16)
+    v_cache = torch.full(shape, math.nan, dtype=torch.bfloat16)
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    block_tables = torch.zeros(len(seqs), max(blocks_per_seq) + 1, dtype=torch.int32)
+    for s, ((_, ctx), nb) in enumerate(zip(seqs, blocks_per_seq)):
+        blocks = torch.tensor([free.pop() for _ in range(nb)])
+        block_tables[s, :nb] = blocks
+        pos = torch.arange(ctx)
+        slots = blocks[pos // block_size] * block_size + pos % block_size
+        for cache in (k_cache, v_cache):
+            cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(ctx, num_kv_heads, head_dim, generator=gen).bfloat16()
+    q_lens = [q for q, _ in seqs]
+    query_start_loc = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+    query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).bfloat16()
+    context_lens = torch.tensor([ctx for _, ctx in seqs], dtype=torch.int32)
+    return query, k_cache, v_cache, block_tables, query_start_loc, context_lens
+
+
+def reference(query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale):
+    out = torch.empty(query.shape, dtype=torch.float32)
+    block_size = k_cache.shape[1]
+    for s, ctx in enumerate(context_lens.tolist()):
+        start, end = query_start_loc[s].item(), query_start_loc[s + 1].item()
+        blocks = block_tables[s, : -(-ctx // block_size)].long()
+        k, v = (cache[blocks].flatten(0, 1)[:ctx].float().transpose(0, 1)[None] for cache in (k_cache, v_cache))
+        q = query[start:end].float().transpose(0, 1)[None]
+        mask = torch.arange(ctx)[None, :] <= (ctx - (end - start)) + torch.arange(end - start)[:, None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1)
+    return out
+
+
+def assert_bf16_close(out, expected):
+    err = (out.float() - expected).abs()
+    assert not out.isnan().any()
+    assert err.max().item() <= 0.02 + 0.01 * expected.abs().max().item(), err.max().item()
+    assert err.mean().item() <= 2e-3, err.mean().item()
+
+
+# lengths around the kernel's 64-key chunks and 16-row tiles, single-token rows, cached prefixes
+SEQS = [(1, 1), (5, 5), (63, 63), (64, 64), (65, 65), (17, 300), (1, 90), (100, 1100), (3, 64)]
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4), (8, 2)])
+def test_prefill_kernel_matches_float32_reference(prefill, block_size, head_dim, num_heads, num_kv_heads):
+    args = make_batch(SEQS, block_size, num_heads, num_kv_heads, head_dim, seed=block_size + head_dim + num_heads)
+    out = torch.empty_like(args[0])
+    prefill(*args, head_dim**-0.5, 1, out)
+    assert_bf16_close(out, reference(*args, head_dim**-0.5))
+
+
+def test_one_long_prompt_matches(prefill):
+    args = make_batch([(2048, 2048)], 16, 9, 3, 64, seed=1)
+    out = torch.empty_like(args[0])
+    prefill(*args, 0.125, 1, out)
+    assert_bf16_close(out, reference(*args, 0.125))
+
+
+def test_rows_below_min_q_len_are_left_alone(prefill):
+    args = make_batch([(1, 40), (9, 20), (1, 7)], 16, 6, 2, 64, seed=2)
+    out = torch.full_like(args[0], 7.0)
+    prefill(*args, 0.125, 2, out)
+    assert (out[0] == 7.0).all() and (out[10] == 7.0).all()
+    assert_bf16_close(out[1:10], reference(*args, 0.125)[1:10])
+
+
+def test_backend_routes_bfloat16_prefill_to_the_kernel(prefill, monkeypatch):
+    """Mixed prefill batch (decode rows and a cached prefix inside): one kernel call serves every
+    multi-token row, the result agrees with the gather + SDPA path within bfloat16 rounding."""
+    args = make_batch([(7, 30), (1, 500), (40, 40), (1, 77)], 16, 6, 2, 64, seed=3)
+    calls = []
+    real = torch_backend.prefill_kernel_for
+    monkeypatch.setattr(torch_backend, "prefill_kernel_for",
+                        lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    out = TorchAttentionBackend().paged_prefill(*args, 0.125)
+    assert calls == [49]
+    assert_bf16_close(out, reference(*args, 0.125))
+    monkeypatch.setenv(cpu_ops.ENV_SWITCH, "0")
+    assert cpu_ops.prefill_kernel_for(args[0], args[1], args[2]) is None
+    assert_bf16_close(out, TorchAttentionBackend().paged_prefill(*args, 0.125).float())
+
+
+def test_only_bfloat16_cpu_pools_take_the_kernel(prefill):
+    q, pool = torch.randn(4, 4, 64), torch.zeros(4, 16, 2, 64)
+    assert cpu_ops.prefill_kernel_for(q, pool, pool) is None  # float32 keeps the SDPA path
+    assert cpu_ops.prefill_kernel_for(q.bfloat16(), pool.bfloat16(), pool.bfloat16()) is prefill
+    half = pool.bfloat16()[:, :8]  # not contiguous
+    assert cpu_ops.prefill_kernel_for(q.bfloat16(), half, half) is None
+    assert not torch.ops.pagedserve_cpu.paged_prefill_supported(40)
+
+
+def test_bad_metadata_raises_instead_of_reading_outside_the_pool(prefill):
+    args = list(make_batch([(4, 4)], 16, 4, 2, 64, seed=4))
+    args[3] = torch.tensor([[99, 0]], dtype=torch.int32)  # a block id past the pool
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        prefill(*args, 0.125, 1, torch.empty_like(args[0]))
+    args[3] = torch.tensor([[1, 0]], dtype=torch.int32)
+    args[5] = torch.tensor([3], dtype=torch.int32)  # 4 queries cannot sit in a context of 3
+    with pytest.raises(RuntimeError, match="bad lengths"):
+        prefill(*args, 0.125, 1, torch.empty_like(args[0]))
