@@ -24,6 +24,7 @@ from engine_svc.attention import AttentionBackend, AttentionMetadata, get_backen
 from engine_svc.attention.step import PagedAttention
 from engine_svc.compiled import WARM_UP_TOKENS, CompiledForward
 from engine_svc.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from engine_svc.host_memory import keep_freed_memory
 from engine_svc.models import load_model, load_spec
 from engine_svc.scheduler_output import ScheduledChunk, SchedulerOutput
 
@@ -55,6 +56,8 @@ class ModelRunner:
         self.spec = load_spec(self.model_dir)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # before the first step's buffers
         self.max_model_len = self._max_model_len()
         self.vocab_size = self.spec.vocab_size
         self.eos_token_ids = self.spec.eos_token_ids

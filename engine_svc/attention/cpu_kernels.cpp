@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -92,8 +93,10 @@ struct Shape {
 // block converted to float32 when the pool holds bf16/fp16.
 struct Scratch {
   std::vector<float> scores, q, acc, inv_sum, block;
+  std::vector<int64_t> rows;  // bfloat16 path: the pool offset of each context position's row
   Scratch(int64_t heads, int64_t max_ctx, int64_t dim, int64_t block_size)
-      : scores(heads * max_ctx), q(heads * dim), acc(heads * dim), inv_sum(heads), block(block_size * heads * dim) {}
+      : scores(heads * max_ctx), q(heads * dim), acc(heads * dim), inv_sum(heads), block(block_size * heads * dim),
+        rows(max_ctx) {}
 };
 
 // One work item: kv heads [kv_begin, kv_end) of one sequence, i.e. query heads
@@ -160,38 +163,53 @@ void decode_item(const T* query, const T* k_cache, const T* v_cache, const int32
 #ifdef PAGEDSERVE_BF16_DOT
 // bfloat16 pool on a CPU with AVX512-BF16: K and V are read straight from the pool, never converted
 // into a float block. A score is one VDPBF16PS per 32 dims (bf16 pairs multiplied exactly and summed
-// in float32), then one horizontal add; V rows widen to float32 (a shift) into register accumulators.
-inline float dot_bf16(const c10::BFloat16* a, const c10::BFloat16* b, int64_t dim) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t d = 0; d < dim; d += 32)
-    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a + d), (__m512bh)_mm512_loadu_si512(b + d));
-  return _mm512_reduce_add_ps(acc);
-}
-
+// in float32), 16 keys' partial sums reduced together; V rows widen to float32 (a shift) once for
+// every head of their GQA group, into register accumulators.
 inline __m512 widen(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-template <int kDim>
-void accumulate_bf16(const float* w, const c10::BFloat16* rows, int64_t stride, int64_t n, float* acc, int64_t dim) {
-  if constexpr (kDim > 0) {
-    __m512 a[kDim / 16];
-    for (int c = 0; c < kDim / 16; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
-    for (int64_t i = 0; i < n; ++i) {
-      const __m512 wi = _mm512_set1_ps(w[i]);
-      for (int c = 0; c < kDim / 16; ++c) a[c] = _mm512_fmadd_ps(wi, widen(rows + i * stride + 16 * c), a[c]);
-    }
-    for (int c = 0; c < kDim / 16; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
-  } else {
-    for (int64_t c = 0; c < dim; c += 16) {
-      __m512 a = _mm512_loadu_ps(acc + c);
-      for (int64_t i = 0; i < n; ++i) a = _mm512_fmadd_ps(_mm512_set1_ps(w[i]), widen(rows + i * stride + c), a);
-      _mm512_storeu_ps(acc + c, a);
-    }
-  }
+// 16 vectors in, one out: lane i holds the sum of v[i]'s lanes (a tree of pairwise lane sums, 15
+// steps for 16 keys instead of one horizontal reduction per key).
+inline __m512 lane_sums16(__m512* v) {
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  auto level = [&](auto half) {  // 2 * half vectors -> half, unrolled (v stays in registers)
+#pragma GCC unroll 8
+    for (int i = 0; i < decltype(half)::value; ++i)
+      v[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * i], even, v[2 * i + 1]),
+                           _mm512_permutex2var_ps(v[2 * i], odd, v[2 * i + 1]));
+  };
+  level(std::integral_constant<int, 8>{});
+  level(std::integral_constant<int, 4>{});
+  level(std::integral_constant<int, 2>{});
+  level(std::integral_constant<int, 1>{});
+  return v[0];
 }
 
-// The same three passes as decode_item, on the pool's bfloat16 rows in place (dim % 32 == 0).
+// o[g] += sum_p w[g][p] * V[p] for the kGroup heads of one kv head: each V row is widened once for
+// all of them, the accumulators stay in registers.
+template <int kDim, int kGroup>
+void values_bf16(const float* w, int64_t w_stride, const c10::BFloat16* v_cache, const int64_t* rows, int64_t ctx,
+                 float* acc) {
+  __m512 a[kGroup][kDim / 16];
+  for (int g = 0; g < kGroup; ++g)
+    for (int c = 0; c < kDim / 16; ++c) a[g][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < ctx; ++p) {
+    const c10::BFloat16* row = v_cache + rows[p];
+    __m512 v[kDim / 16];
+    for (int c = 0; c < kDim / 16; ++c) v[c] = widen(row + 16 * c);
+    for (int g = 0; g < kGroup; ++g) {
+      const __m512 wg = _mm512_set1_ps(w[g * w_stride + p]);
+      for (int c = 0; c < kDim / 16; ++c) a[g][c] = _mm512_fmadd_ps(wg, v[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < kGroup; ++g)
+    for (int c = 0; c < kDim / 16; ++c) _mm512_storeu_ps(acc + g * kDim + 16 * c, a[g][c]);
+}
+
+// The same three passes as decode_item, on the pool's bfloat16 rows in place (dim % 32 == 0):
+// scores 16 keys at a time per head, then one softmax per head, then the values per kv head.
 template <int kDim>
 void decode_item_bf16(const c10::BFloat16* query, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
                       const int32_t* block_table, int64_t ctx, const Shape& s, float scale, int64_t seq,
@@ -200,17 +218,29 @@ void decode_item_bf16(const c10::BFloat16* query, const c10::BFloat16* k_cache, 
   const int64_t heads = (kv_end - kv_begin) * group, row_stride = s.num_kv_heads * dim;
   float *acc = buf.acc.data(), *scores = buf.scores.data(), *inv_sum = buf.inv_sum.data();
   const c10::BFloat16* q = query + (seq * s.num_heads + kv_begin * group) * dim;
-  auto for_each_block = [&](const c10::BFloat16* cache, auto&& visit) {
-    for (int64_t start = 0, b = 0; start < ctx; start += s.block_size, ++b) {
-      TORCH_CHECK(block_table[b] >= 0 && block_table[b] < s.num_blocks, "paged_decode: block id out of range");
-      visit(start, std::min(s.block_size, ctx - start), cache + (block_table[b] * s.block_size * s.num_kv_heads + kv_begin) * dim);
+  int64_t* rows = buf.rows.data();  // element offset of position p's row for kv head kv_begin
+  for (int64_t start = 0, b = 0; start < ctx; start += s.block_size, ++b) {
+    TORCH_CHECK(block_table[b] >= 0 && block_table[b] < s.num_blocks, "paged_decode: block id out of range");
+    const int64_t base = int64_t(block_table[b]) * s.block_size * row_stride + kv_begin * dim;
+    for (int64_t i = 0; i < std::min(s.block_size, ctx - start); ++i) rows[start + i] = base + i * row_stride;
+  }
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  for (int64_t h = 0; h < heads; ++h) {
+    const c10::BFloat16* qh = q + h * dim;
+    const int64_t k_off = h / group * dim;
+    for (int64_t k0 = 0; k0 < ctx; k0 += 16) {
+      const int n = int(std::min<int64_t>(16, ctx - k0));
+      __m512 v[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) {  // a short last group repeats its last key (not stored)
+        const c10::BFloat16* key = k_cache + rows[k0 + std::min(i, n - 1)] + k_off;
+        v[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(qh), (__m512bh)_mm512_loadu_si512(key));
+        for (int64_t d = 32; d < dim; d += 32)
+          v[i] = _mm512_dpbf16_ps(v[i], (__m512bh)_mm512_loadu_si512(qh + d), (__m512bh)_mm512_loadu_si512(key + d));
+      }
+      _mm512_mask_storeu_ps(scores + h * ctx + k0, __mmask16((1u << n) - 1), _mm512_mul_ps(lane_sums16(v), scale16));
     }
-  };
-  for_each_block(k_cache, [&](int64_t start, int64_t n, const c10::BFloat16* rows) {
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t i = 0; i < n; ++i)
-        scores[h * ctx + start + i] = scale * dot_bf16(q + h * dim, rows + i * row_stride + h / group * dim, dim);
-  });
+  }
   for (int64_t h = 0; h < heads; ++h) {
     float* sc = scores + h * ctx;
     const float max = *std::max_element(sc, sc + ctx);
@@ -219,11 +249,28 @@ void decode_item_bf16(const c10::BFloat16* query, const c10::BFloat16* k_cache, 
     for (int64_t p = 0; p < ctx; ++p) sum += sc[p];
     inv_sum[h] = 1.f / sum;
   }
-  std::fill(acc, acc + heads * dim, 0.f);
-  for_each_block(v_cache, [&](int64_t start, int64_t n, const c10::BFloat16* rows) {
-    for (int64_t h = 0; h < heads; ++h)
-      accumulate_bf16<kDim>(scores + h * ctx + start, rows + h / group * dim, row_stride, n, acc + h * dim, dim);
-  });
+  for (int64_t kv = 0; kv < kv_end - kv_begin; ++kv) {
+    const float* w = scores + kv * group * ctx;
+    float* a = acc + kv * group * dim;
+    const c10::BFloat16* v_base = v_cache + kv * dim;
+    if constexpr (kDim > 0) {
+      switch (group) {  // the common GQA groups keep their accumulators in registers
+        case 1: values_bf16<kDim, 1>(w, ctx, v_base, rows, ctx, a); continue;
+        case 2: values_bf16<kDim, 2>(w, ctx, v_base, rows, ctx, a); continue;
+        case 3: if constexpr (kDim <= 64) { values_bf16<kDim, 3>(w, ctx, v_base, rows, ctx, a); continue; } break;
+        case 4: if constexpr (kDim <= 64) { values_bf16<kDim, 4>(w, ctx, v_base, rows, ctx, a); continue; } break;
+        default: break;
+      }
+    }
+    std::fill(a, a + group * dim, 0.f);
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t p = 0; p < ctx; ++p) {
+        const float wp = w[g * ctx + p];
+        const c10::BFloat16* row = v_base + rows[p];
+        for (int64_t c = 0; c < dim; c += 16)
+          _mm512_storeu_ps(a + g * dim + c, _mm512_fmadd_ps(_mm512_set1_ps(wp), widen(row + c), _mm512_loadu_ps(a + g * dim + c)));
+      }
+  }
   c10::BFloat16* dst = out + (seq * s.num_heads + kv_begin * group) * dim;
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t d = 0; d < dim; ++d) dst[h * dim + d] = static_cast<c10::BFloat16>(acc[h * dim + d] * inv_sum[h]);

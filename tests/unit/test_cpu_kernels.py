@@ -94,6 +94,20 @@ def test_half_precision_pool_accumulates_in_float32(kernel, dtype):
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)  # one rounding of the output
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (6, 2, 64), (4, 4, 64),
+                                                           (12, 3, 128), (10, 2, 64), (6, 2, 96)])
+def test_bfloat16_pool_in_place_every_gqa_layout(kernel, num_heads, num_kv_heads, head_dim):
+    """The in-place bfloat16 path (register accumulators for groups of 1-4, a general loop beyond,
+    a runtime head size) against the same inputs in float32: one bf16 rounding of the output apart."""
+    lens = [1, 15, 16, 17, 160, 1100]
+    k_cache, v_cache, block_tables = make_pool(lens, 16, num_kv_heads, head_dim, seed=num_heads, dtype=torch.bfloat16)
+    query = torch.randn(len(lens), num_heads, head_dim).bfloat16()
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    out = kernel(query, k_cache, v_cache, block_tables, context_lens, head_dim**-0.5)
+    expected = kernel(query.float(), k_cache.float(), v_cache.float(), block_tables, context_lens, head_dim**-0.5)
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
+
+
 def test_prefill_decode_rows_use_the_kernel_and_match(kernel, monkeypatch):
     lens, q_lens = [30, 500, 9, 77], [7, 1, 9, 1]  # rows 1 and 3 are decode rows inside a prefill batch
     k_cache, v_cache, block_tables = make_pool(lens, 16, 2, 64, seed=3)
