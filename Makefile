@@ -32,10 +32,9 @@ test: setup
 test-fast: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+# throughput, prefix caching and serving in one bounded run (<= 15 min here), report bench/out/bench.md
 bench: setup
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/python bench/throughput.py
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/python bench/prefix.py
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/python bench/serve.py --num-requests 64 --max-output 128 --requests-per-level 1
+	$(BIN)/python bench/all.py
 
 bench-vllm: setup
 	$(BIN)/python bench/vllm_peer.py

@@ -188,8 +188,12 @@ def ratio(ours: float, peer: float) -> str:
     return f"{ours / peer:.2f}x"
 
 
+MARKDOWN_ENV = "PAGEDSERVE_BENCH_MARKDOWN"  # a file: every table printed is also appended there (make bench)
+
+
 def print_table(title: str, header: list[str], rows: list[list]) -> None:
-    """A plain fixed-width table; floats get 4 significant digits."""
+    """A plain fixed-width table; floats get 4 significant digits. Also appended as a markdown
+    table to the file that $PAGEDSERVE_BENCH_MARKDOWN names, when it names one."""
     cells = [[_fmt(c) for c in row] for row in rows]
     widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
     print(f"\n{title}")
@@ -198,6 +202,10 @@ def print_table(title: str, header: list[str], rows: list[list]) -> None:
     for row in cells:
         print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)))
     sys.stdout.flush()
+    if os.environ.get(MARKDOWN_ENV):
+        with open(os.environ[MARKDOWN_ENV], "a") as out:
+            out.write(f"\n**{title}**\n\n| " + " | ".join(map(str, header)) + " |\n|" + "---|" * len(header) + "\n")
+            out.writelines("| " + " | ".join(c.replace("|", "/") for c in row) + " |\n" for row in cells)
 
 
 def _fmt(value) -> str:
