@@ -61,7 +61,11 @@ class StepProbe:
             self._wrap(runner, "prepare", "prepare")
         model = getattr(runner, "model", None)
         if model is not None:
-            self._wrap(model, "forward", "forward")
+            compiled = getattr(runner, "compiled", None)
+            if compiled is not None:  # dynamo traces model.forward: time the compiled callable instead
+                self._wrap(compiled, "_forward", "forward")
+            else:
+                self._wrap(model, "forward", "forward")
             self._wrap(model, "compute_logits", "logits")
             for name in ("paged_decode", "paged_prefill", "reshape_and_cache"):
                 self._wrap(runner.backend, name, "attention")
