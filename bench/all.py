@@ -6,8 +6,8 @@ Runs, one after the other, each in its own process (float32, OMP_WAIT_POLICY=PAS
 - bench/throughput.py on a smaller workload (64 requests, outputs 16-128): ours vs HF static
   batching vs transformers' generate_batch;
 - bench/prefix.py: prefix caching off vs on, and KV sharing of n > 1;
-- bench/serve.py (64 requests, outputs 16-128, one pass per level): the stack vs the in-process
-  engine and vs `transformers serve`.
+- bench/serve.py (64 requests, outputs 16-128, one pass per level, the live stream tap): the stack
+  vs the in-process engine and vs `transformers serve`.
 Each script prints its tables and writes its plots under docs/bench/ as it does alone; every
 table is also collected (bench/common.py: PAGEDSERVE_BENCH_MARKDOWN) into bench/out/bench.md, with
 each step's command and wall time and the total against the budget. The sweeps and the vLLM
@@ -32,7 +32,9 @@ HERE = Path(__file__).resolve().parent
 STEPS = [
     ["throughput.py", "--num-requests", "64", "--max-output", "128"],
     ["prefix.py"],
-    ["serve.py", "--num-requests", "64", "--max-output", "128", "--requests-per-level", "1"],
+    # --tap-split: the per-token hop times need the tap to follow the detok streams live (consumed
+    # entries are deleted)
+    ["serve.py", "--num-requests", "64", "--max-output", "128", "--requests-per-level", "1", "--tap-split"],
 ]
 
 

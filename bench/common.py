@@ -195,7 +195,7 @@ def print_table(title: str, header: list[str], rows: list[list]) -> None:
     """A plain fixed-width table; floats get 4 significant digits. Also appended as a markdown
     table to the file that $PAGEDSERVE_BENCH_MARKDOWN names, when it names one."""
     cells = [[_fmt(c) for c in row] for row in rows]
-    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+    widths = [max([len(str(h)), *(len(r[i]) for r in cells)]) for i, h in enumerate(header)]
     print(f"\n{title}")
     print("  " + "  ".join(str(h).ljust(w) for h, w in zip(header, widths)))
     print("  " + "  ".join("-" * w for w in widths))

@@ -195,6 +195,7 @@ def plot(part1: list[Summary], part2: list[Summary], hops: dict[str, list[float]
     parts = [(summaries, title) for summaries, title in ((part1, "part 1"), (part2, "part 2")) if summaries]
     if not parts:
         return
+    hops = hops if hops and hops.get("engine->client") else {}
     num_cols = 3 if hops else 2
     fig, axes = plt.subplots(len(parts), num_cols, figsize=(6 * num_cols, 4 * len(parts)), squeeze=False)
     for row, (summaries, title) in enumerate(parts):
@@ -241,7 +242,10 @@ def report(part1: list[Summary], hops, cpu: dict[str, float], part2: list[Summar
         share = stack.tokens_per_s / inproc.tokens_per_s
         figures["stack_over_inprocess"] = share
         print(f"  stack / in-process output tokens/s: {share:.2f} (target >= 0.9: {target(share >= 0.9)})")
-    if hops:
+    if hops and not hops.get("engine->client"):
+        print("  per-token hops: no samples (the detok streams' entries are deleted once consumed: the tap must "
+              "follow them live, --tap-split)")
+    elif hops:
         print_table("Per token: engine publishes it -> client reads it (Redis hops + detokenizer + gateway), ms",
                     ["path", "tokens", "p50", "p90", "p99"], hop_rows(hops))
         med = percentile([x * 1e3 for x in hops["engine->client"]], 50)

@@ -80,9 +80,10 @@ def transformers_server(model: Path, port: int, *, block_size: int, num_blocks: 
 class StreamTap:
     """Notes, per bus request id, the publish time (ms) of every TokenDelta and RequestOutput.
 
-    By default it reads the detok streams once, after the run (their entries outlive it), so no
-    process of the measurement competes with the stack for the CPU meanwhile; then only
-    engine -> client is known. ``live``: a separate process also follows the gateways' reply
+    By default it reads the detok streams once, after the run, so no process of the measurement
+    competes with the stack for the CPU meanwhile; then only engine -> client is known. Since the
+    detokenizer deletes the entries it has consumed (XACK + XDEL), that read finds nothing but what
+    is still pending: use ``live``. ``live``: a separate process also follows the gateways' reply
     streams (trimmed as they are read) during the run, which splits the trip at the detokenizer
     but costs the stack some CPU and Redis time."""
 
