@@ -20,28 +20,38 @@ from sweep_report import is_saturated, targets  # noqa: E402
 from textdata import PROMPT_RANGE, REPLY_RANGE, write_sharegpt_like  # noqa: E402
 
 
+SLO = {"ttft_ms": 2000, "tpot_ms": 100}
+
+
 def run(rate: float, p50_ttft: float, p99_ttft: float, p99_itl: float, tok_s: float, goodput: float,
-        failed: int = 0) -> dict:
+        failed: int = 0, p50_tpot: float = 20.0) -> dict:
     return {"offered_rate": rate, "failed": failed, "completed": 10, "duration": 10.0, "p50_ttft_ms": p50_ttft,
-            "p99_ttft_ms": p99_ttft, "p99_itl_ms": p99_itl, "output_throughput": tok_s, "request_goodput": goodput}
+            "p99_ttft_ms": p99_ttft, "p99_itl_ms": p99_itl, "output_throughput": tok_s, "request_goodput": goodput,
+            "p50_tpot_ms": p50_tpot}
 
 
-def test_saturation_is_queueing_past_the_ttft_slo_or_failures():
-    assert not is_saturated(run(1, 1999, 5000, 50, 100, 1), 2000)
-    assert is_saturated(run(1, 2001, 5000, 50, 100, 1), 2000)
-    assert is_saturated(run(1, 10, 20, 50, 100, 1, failed=1), 2000)
+def test_saturation_is_queueing_past_the_ttft_slo_an_overfull_batch_or_failures():
+    assert not is_saturated(run(1, 1999, 5000, 50, 100, 1), 2000, 100)
+    assert is_saturated(run(1, 2001, 5000, 50, 100, 1), 2000, 100)
+    assert is_saturated(run(1, 10, 20, 50, 100, 1, failed=1), 2000, 100)
+    assert not is_saturated(run(1, 10, 20, 50, 100, 1, p50_tpot=99.9), 2000, 100)
+    assert is_saturated(run(1, 10, 20, 50, 100, 1, p50_tpot=100.1), 2000, 100)  # TTFT fine, every token slow
+    assert not is_saturated(run(1, 10, 20, 50, 100, 1, p50_tpot=500), 2000)  # no TPOT SLO given
 
 
 def test_targets_compare_only_rates_neither_system_saturated():
     ours = {"1": run(1, 100, 200, 30, 150, 1.0), "4": run(4, 150, 400, 60, 600, 3.9), "8": run(8, 9000, 20000, 90, 700, 2)}
     peer = {"1": run(1, 120, 250, 40, 150, 1.0), "4": run(4, 5000, 9000, 80, 400, 1.0), "8": run(8, 9000, 30000, 99, 450, 0)}
-    lines = targets({"pagedserve": {"runs": ours}, "vllm": {"runs": peer}}, 2000)
+    lines = targets({"pagedserve": {"runs": ours}, "vllm": {"runs": peer}}, SLO)
     assert lines[0] == "p99 ITL below vLLM's at every rate neither has saturated (1/s: 30 vs 40): MET"
     assert lines[1] == "p99 TTFT below vLLM's at every rate neither has saturated (1/s: 200 vs 250): MET"
     assert lines[2] == "saturation output tok/s: pagedserve 700 / vLLM 450 = 1.56x (target >= 1.3x: MET)"
     assert lines[3] == "best goodput req/s: pagedserve 3.9 / vLLM 1 = 3.90x (target >= 1.3x: MET)"
     peer["1"]["p99_itl_ms"] = 29.0
-    assert targets({"pagedserve": {"runs": ours}, "vllm": {"runs": peer}}, 2000)[0].endswith("MISSED")
+    assert targets({"pagedserve": {"runs": ours}, "vllm": {"runs": peer}}, SLO)[0].endswith("MISSED")
+    peer["1"]["p99_itl_ms"], peer["1"]["p50_tpot_ms"] = 29.0, 150.0  # vLLM past saturation at 1/s: not compared
+    assert targets({"pagedserve": {"runs": ours}, "vllm": {"runs": peer}}, SLO)[0].startswith(
+        "p99 ITL below vLLM's at every rate neither has saturated (none)")
 
 
 class WordTokenizer:
