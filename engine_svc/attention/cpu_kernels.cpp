@@ -347,11 +347,51 @@ at::Tensor paged_decode(const at::Tensor& query_in, const at::Tensor& k_cache, c
   return out;
 }
 
+// reshape_and_cache: the step's new K/V rows into their pool slots (negative slot: a padding row,
+// skipped). One memcpy per row and tensor; every slot is checked before anything is written, so a
+// bad slot mapping raises and leaves the pool as it was. The rows may be strided views (value is a
+// slice of the fused qkv output) as long as each row's [kv_heads, head_dim] is contiguous.
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "write_kv: bad shapes");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "write_kv: the KV pool must be contiguous");
+  TORCH_CHECK(key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3), "write_kv: head layout mismatch");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(), "write_kv: rows and pool must share a dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0),
+              "write_kv: slot_mapping must be int64 [num_tokens]");
+  const int64_t heads = key.size(1), dim = key.size(2);
+  for (const at::Tensor* t : {&key, &value})
+    TORCH_CHECK(t->stride(2) == 1 && (heads == 1 || t->stride(1) == dim), "write_kv: each row must be contiguous");
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t num_tokens = key.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(slot[t] < num_slots, "write_kv: slot ", slot[t], " out of range (", num_slots, " slots)");
+  const int64_t row_bytes = heads * dim * static_cast<int64_t>(key.element_size());
+  const char *k = static_cast<const char*>(key.data_ptr()), *v = static_cast<const char*>(value.data_ptr());
+  char *kc = static_cast<char*>(k_cache.data_ptr()), *vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t k_stride = key.stride(0) * key.element_size(), v_stride = value.stride(0) * value.element_size();
+  // a decode step's few rows in this thread; a long prompt's rows over the threads
+  at::parallel_for(0, num_tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slot[t] < 0) continue;
+      std::memcpy(kc + slot[t] * row_bytes, k + t * k_stride, row_bytes);
+      std::memcpy(vc + slot[t] * row_bytes, v + t * v_stride, row_bytes);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
         "float scale) -> Tensor");
+  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("write_kv", &write_kv);
+}

@@ -1,5 +1,5 @@
 """Builds and loads the C++ CPU kernels on first use: cpu_kernels.cpp (paged decode attention),
-cpu_prefill.cpp (paged prefill attention, bfloat16), cpu_gemv.cpp (the small-batch linear layer) and cpu_bitmask.cpp (structured outputs' logits mask).
+the KV write, cpu_prefill.cpp (paged prefill attention, bfloat16), cpu_gemv.cpp (the small-batch linear layer) and cpu_bitmask.cpp (structured outputs' logits mask).
 
 One shared library is compiled with g++ straight against torch's headers and libraries (no
 ninja, no pybind: the ops are registered with TORCH_LIBRARY and called as
@@ -65,6 +65,16 @@ def decode_kernel_for(query, k_cache, v_cache, block_tables, context_lens):
             and block_tables.device.type == context_lens.device.type == "cpu"):
         return None
     return paged_decode_op()
+
+
+def kv_writer_for(key, value, k_cache, slot_mapping):
+    """torch.ops.pagedserve_cpu.write_kv (the step's K/V rows into their slots, one memcpy each)
+    when it can serve these tensors (CPU, rows already in the pool's dtype, int64 slots), else None:
+    the caller then masks and index_copy_s."""
+    if not (key.device.type == k_cache.device.type == slot_mapping.device.type == "cpu"
+            and key.dtype == value.dtype == k_cache.dtype and slot_mapping.dtype == torch.int64):
+        return None
+    return torch.ops.pagedserve_cpu.write_kv if paged_decode_op() is not None else None
 
 
 def prefill_kernel_for(query, k_cache, v_cache):
@@ -177,5 +187,5 @@ def _torch_libs() -> list[str]:
     return [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-lc10", "-ltorch_cpu", "-ltorch"]
 
 
-__all__ = ["enabled", "paged_decode_op", "decode_kernel_for", "prefill_kernel_for", "linear_op", "build", "cache_dir",
+__all__ = ["enabled", "paged_decode_op", "decode_kernel_for", "kv_writer_for", "prefill_kernel_for", "linear_op", "build", "cache_dir",
            "prebuild", "prebuilt"]

@@ -13,7 +13,7 @@ and fast:
 
 The per-step index work is cached and reused by every layer of the step (same tensors in).
 
-On CPU, decode rows go to the C++ kernel of cpu_ops instead when it is available: it reads K/V
+On CPU, the K/V rows are written by one C++ call (write_kv), and decode rows go to the C++ kernel of cpu_ops instead when it is available: it reads K/V
 in place through the block tables (no gather copy); so do a bfloat16 pool's prefill rows on a
 CPU with AVX512-BF16 (cpu_prefill.cpp, a causal flash attention over the pool, cached prefix
 included). The torch path below stays the reference and the fallback (PAGEDSERVE_CPU_KERNELS=0
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine_svc.attention.cpu_ops import decode_kernel_for, prefill_kernel_for
+from engine_svc.attention.cpu_ops import decode_kernel_for, kv_writer_for, prefill_kernel_for
 
 BUCKET_FILL = 0.75  # a decode bucket pads no row to more than 1/0.75 of its own length
 MAX_BUCKETS = 6
@@ -73,6 +73,10 @@ class TorchAttentionBackend:
     # ------------------------------------------------------------------ writes
     def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         if slot_mapping.numel() == 0:
+            return
+        writer = kv_writer_for(key, value, k_cache, slot_mapping)
+        if writer is not None:  # CPU: one C++ call, no mask, no per-layer index tensors
+            writer(key, value, k_cache, v_cache, slot_mapping)
             return
         valid = slot_mapping >= 0
         if not bool(valid.all()):

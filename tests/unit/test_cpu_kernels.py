@@ -180,6 +180,45 @@ def test_bad_metadata_raises_instead_of_reading_outside_the_pool(kernel):
         kernel(q, pool, pool, torch.tensor([[1]], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), 1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens", [1, 5, 700])  # 700: rows over the threads
+def test_kv_write_matches_the_masked_index_copy(kernel, monkeypatch, dtype, num_tokens):
+    """write_kv against the torch path: padding rows (slot -1) skipped, value a strided slice of a
+    fused qkv output, every other slot untouched (NaN stays NaN)."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    shape = (64, 16, 3, 64)
+    qkv = torch.randn(num_tokens, 9 * 64 + 2 * 3 * 64, generator=gen).to(dtype)
+    key = qkv[:, 9 * 64:12 * 64].contiguous().view(num_tokens, 3, 64)
+    value = qkv[:, 12 * 64:].view(num_tokens, 3, 64)  # strided rows, as the model hands them over
+    slots = torch.randperm(64 * 16, generator=gen)[:num_tokens]
+    slots[::4] = -1
+    pools = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv(cpu_ops.ENV_SWITCH, switch)
+        k_cache, v_cache = torch.full(shape, math.nan, dtype=dtype), torch.full(shape, math.nan, dtype=dtype)
+        TorchAttentionBackend().reshape_and_cache(key, value, k_cache, v_cache, slots)
+        pools[switch] = (k_cache, v_cache)
+    monkeypatch.setenv(cpu_ops.ENV_SWITCH, "1")
+    assert cpu_ops.kv_writer_for(key, value, pools["1"][0], slots) is not None  # the kernel served "1"
+    for ours, ref in zip(pools["1"], pools["0"]):
+        assert torch.equal(ours.isnan(), ref.isnan())
+        assert torch.equal(ours.nan_to_num(), ref.nan_to_num())
+    written = pools["1"][1].view(-1, 3, 64)[slots[slots >= 0]]
+    assert torch.equal(written, value[slots >= 0])
+
+
+def test_kv_write_checks_every_slot_before_writing(kernel):
+    key = torch.randn(3, 2, 64)
+    k_cache, v_cache = torch.zeros(4, 16, 2, 64), torch.zeros(4, 16, 2, 64)
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.pagedserve_cpu.write_kv(key, key, k_cache, v_cache, torch.tensor([5, 64, 7]))
+    assert not k_cache.any() and not v_cache.any()  # nothing written: row 0's slot was valid
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        torch.ops.pagedserve_cpu.write_kv(key.double(), key.double(), k_cache, v_cache, torch.tensor([0, 1, 2]))
+    assert cpu_ops.kv_writer_for(key.double(), key.double(), k_cache, torch.tensor([0, 1, 2])) is None
+    assert cpu_ops.kv_writer_for(key, key, k_cache, torch.tensor([0, 1, 2], dtype=torch.int32)) is None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_rows", [1, 3, 8, 9, 17, 24, 40])
 @pytest.mark.parametrize("with_bias", [False, True])
