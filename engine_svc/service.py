@@ -95,6 +95,7 @@ class EngineService:
         self.heartbeat = HeartbeatWriter(self.client, names.heartbeat, "engine", config.service_id,
                                          config.heartbeat_s, ttl_s=config.bus.heartbeat_ttl_s)
         self.outbox = Outbox(self.to_detok, self.from_tokenizer)  # admissions are acked once they are out
+        self._prefetched: list | None = None  # [intake, ctl] envelopes read with the last step's output
         self.reply_to: dict[str, str] = {}  # request id -> its gateway's stream, while the engine holds it
         self.held: dict[str, EngineRequest] = {}  # prefill role: each request as admitted, for its hand-off
         # prefill role: request id -> (its KV handle until an abort deletes it, when handed off, the seq it went on
@@ -134,8 +135,11 @@ class EngineService:
             self._fail_held(f"the request bus was unreachable for {self.outbox.last_outage_s:.0f}s")
         self.outbox.last_outage_s = 0.0
         idle = not self.engine.has_work()
-        envelopes = self.from_tokenizer.read(count=self.config.batch_size,
-                                             block_ms=self.config.idle_block_ms if idle else None)  # never 0
+        prefetched, self._prefetched = self._prefetched, None  # read with the last step's output
+        if prefetched is not None:
+            self.apply_aborts(prefetched[1])  # first: an abort of a request in this read closes it at admission
+        envelopes = prefetched[0] if prefetched is not None else self.from_tokenizer.read(
+            count=self.config.batch_size, block_ms=self.config.idle_block_ms if idle else None)  # never 0
         if envelopes:
             # admitted (or refused): acked once that is out, before a long step
             self.outbox.put([item for env in envelopes for item in self.admit(env.msg)], acks=envelopes)
@@ -146,10 +150,15 @@ class EngineService:
                                  if self.engine.has_request(env.msg.request_id))
             if not self.outbox.flush():
                 return
-        self.apply_aborts(self.from_ctl.read(count=1024))
+        if prefetched is None:
+            self.apply_aborts(self.from_ctl.read(count=1024))
         if self.engine.has_work():
             self.outbox.put(self.step())
-            self.outbox.flush()  # if Redis is away, the next turn holds off until it is back
+            if self.engine.has_work():  # busy: the output and the next turn's reads in one round trip
+                self._prefetched = self.outbox.flush_and_read(
+                    [(self.from_tokenizer, self.config.batch_size), (self.from_ctl, 1024)])[1]
+            else:
+                self.outbox.flush()  # if Redis is away, the next turn holds off until it is back
         self.account()
         self.heartbeat.beat({**self._engine_stats, "metrics_port": self.config.metrics_port,
                              "role": ENGINE_ROLES.index(self.config.role), "num_messages": self.num_admitted, "num_reclaimed": self.from_tokenizer.num_reclaimed})

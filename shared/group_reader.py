@@ -110,6 +110,26 @@ class GroupReader:
             self._recover(exc)
         return []
 
+    def queue_read(self, pipe, count: int = 64) -> bool:
+        """read(count)'s non-blocking XREADGROUP of new entries queued on ``pipe``
+        (Outbox.flush_and_read); False when read() has more to do first (the group to create,
+        acks to retry, own pending entries to drain, idle entries to claim)."""
+        if not self._group_ready or self._unacked or self._draining or (
+                self.claim_idle_ms is not None and time.monotonic() >= self._next_claim):
+            return False
+        pipe.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count)
+        return True
+
+    def take(self, reply) -> list[Envelope]:
+        """The envelopes of a queued read's reply; an exception is handled as read() handles it."""
+        if isinstance(reply, Exception):
+            if isinstance(reply, redis.ResponseError) and "NOGROUP" in str(reply):
+                self._unacked = []  # the group and its pending list are gone with the data
+            self._recover(reply)
+            return []
+        self._backoff = 0.0
+        return self._accept(reply[0][1] if reply else [])
+
     def _read_pending(self, count: int) -> list[Envelope] | None:
         resp = self.client.xreadgroup(self.group, self.consumer, {self.stream: self._pending_cursor}, count=count)
         entries = resp[0][1] if resp else []

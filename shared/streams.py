@@ -113,6 +113,13 @@ class Producer:
             pipe.xadd(stream, fields, maxlen=self.maxlen, approximate=True)
         return [decode_id(x) for x in pipe.execute()]
 
+    def queue_many(self, pipe, items: Iterable[tuple[str, Message]]) -> int:
+        """send_many's XADDs queued on ``pipe`` (executed by its owner); how many were queued."""
+        packed = _signed_entries(self.signer, entries.pack(items, self.batch, self.per_entry))
+        for stream, fields in packed:
+            pipe.xadd(stream, fields, maxlen=self.maxlen, approximate=True)
+        return len(packed)
+
     def send_raw(self, stream: str, fields: dict) -> str:
         """XADD of arbitrary fields (dead letters keep the refused bytes as they came)."""
         return decode_id(self.client.xadd(stream, _signed(self.signer, stream, fields), maxlen=self.maxlen,
@@ -177,6 +184,34 @@ class Outbox:
             log.info("Redis took the held messages after %.1fs", self.last_outage_s)
         self._backoff, self._down_since = 0.0, None
         return True
+
+    def flush_and_read(self, reads: list[tuple[object, int]]) -> tuple[bool, list[list[Envelope]] | None]:
+        """flush(), with the next non-blocking read of each reader in ``reads`` ([(reader, count)],
+        readers with ``queue_read``/``take``) in the same pipeline: one round trip instead of
+        1 + len(reads). Answers (flush()'s answer, each reader's envelopes); the envelopes are None
+        when the reads were not made -- acks to send, a reader with more to do than a plain read,
+        or Redis failing before any reply -- and then the caller reads as before.
+
+        The reads are taken even when a send failed (their entries are this consumer's now); the
+        sends are then held and retried like flush()'s."""
+        if self.acks:
+            return self.flush(), None
+        pipe = self.producer.client.pipeline(transaction=False)
+        num_sends = self.producer.queue_many(pipe, self.items)  # the output first, then the reads
+        if not all(reader.queue_read(pipe, count) for reader, count in reads):
+            return self.flush(), None  # the filled pipe is dropped unsent
+        try:
+            replies = pipe.execute(raise_on_error=False)
+        except redis.RedisError as exc:  # the connection itself: nothing is known to have run
+            self._failed(exc)
+            return False, None
+        results = [reader.take(reply) for (reader, _), reply in zip(reads, replies[num_sends:])]
+        failed = next((r for r in replies[:num_sends] if isinstance(r, Exception)), None)
+        if failed is not None:
+            self._failed(failed)
+            return False, results
+        self.items = []
+        return self.flush(), results  # nothing left to send: this only closes an outage's account
 
     def _failed(self, exc: Exception) -> None:
         self.num_failures += 1
@@ -292,6 +327,21 @@ class StreamReader:
             time.sleep(0.2)
             return []
         return self._accept(resp[0][1] if resp else [])
+
+    def queue_read(self, pipe, count: int = 256) -> bool:
+        """read(count)'s non-blocking XREAD queued on ``pipe`` (Outbox.flush_and_read); False when
+        the cursor is not resolved yet (then read() does that)."""
+        if self.last_id == "$":
+            return False
+        pipe.xread({self.stream: self.last_id}, count=count)
+        return True
+
+    def take(self, reply) -> list[Envelope]:
+        """The envelopes of a queued read's reply (an exception: logged, nothing read)."""
+        if isinstance(reply, Exception):
+            log.warning("%s: %s", self.stream, reply)
+            return []
+        return self._accept(reply[0][1] if reply else [])
 
     def _accept(self, raw_entries: list) -> list[Envelope]:
         out = []
