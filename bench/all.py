@@ -4,8 +4,8 @@
 
 Runs, one after the other, each in its own process (float32, OMP_WAIT_POLICY=PASSIVE as before):
 - bench/throughput.py on a smaller workload (64 requests, outputs 16-128): ours vs HF static
-  batching vs transformers' generate_batch;
-- bench/prefix.py: prefix caching off vs on, and KV sharing of n > 1;
+  batching (transformers' generate_batch, 2-3x slower still, only in the script's own run);
+- bench/prefix.py with 32 requests sharing the prefix: prefix caching off vs on, and KV sharing of n > 1;
 - bench/serve.py (64 requests, outputs 16-128, one pass per level, the live stream tap): the stack
   vs the in-process engine and vs `transformers serve`.
 Each script prints its tables and writes its plots under docs/bench/ as it does alone; every
@@ -30,8 +30,10 @@ from common import MARKDOWN_ENV, OUT_DIR, machine_lines, print_header  # noqa: E
 
 HERE = Path(__file__).resolve().parent
 STEPS = [
-    ["throughput.py", "--num-requests", "64", "--max-output", "128"],
-    ["prefix.py"],
+    # lighter than the scripts alone, so that the run stays within 15 minutes on a slow day of this VM
+    # (18.1 min with every peer and 64 requests each; generate_batch alone took 196 s of 402 with 48)
+    ["throughput.py", "--num-requests", "64", "--max-output", "128", "--skip", "generate-batch"],
+    ["prefix.py", "--num-requests", "32"],
     # --tap-split: the per-token hop times need the tap to follow the detok streams live (consumed
     # entries are deleted)
     ["serve.py", "--num-requests", "64", "--max-output", "128", "--requests-per-level", "1", "--tap-split"],
