@@ -103,14 +103,9 @@ class Producer:
 
     def send_many(self, items: Iterable[tuple[str, Message]]) -> list[str]:
         """The ids of the entries written (batched: one per stream and per_entry messages)."""
-        packed = _signed_entries(self.signer, entries.pack(items, self.batch, self.per_entry))
-        if not packed:
-            return []
-        if len(packed) == 1:
-            return [decode_id(self.client.xadd(packed[0][0], packed[0][1], maxlen=self.maxlen, approximate=True))]
         pipe = self.client.pipeline(transaction=False)
-        for stream, fields in packed:
-            pipe.xadd(stream, fields, maxlen=self.maxlen, approximate=True)
+        if not self.queue_many(pipe, items):
+            return []
         return [decode_id(x) for x in pipe.execute()]
 
     def queue_many(self, pipe, items: Iterable[tuple[str, Message]]) -> int:
