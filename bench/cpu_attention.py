@@ -45,12 +45,12 @@ def make_case(num_seqs: int, lo: int, hi: int, num_layers: int, seed: int = 0):
 
 def run(num_seqs: int, lo: int, hi: int, args) -> dict:
     query, pools, tables, lens = make_case(num_seqs, lo, hi, args.layers)
-    kernel, backend, scale = cpu_ops.paged_decode_op(), TorchAttentionBackend(), HEAD_DIM**-0.5
+    kernel, scale = cpu_ops.paged_decode_op(), HEAD_DIM**-0.5
 
     def torch_path(k, v):
-        os.environ[cpu_ops.ENV_SWITCH] = "0"  # read at each call: forces the backend's pure-torch path
+        os.environ[cpu_ops.ENV_SWITCH] = "0"  # read when a backend chooses its kernel: forces the pure-torch path
         try:
-            return backend.paged_decode(query, k, v, tables, lens, scale)
+            return TorchAttentionBackend().paged_decode(query, k, v, tables, lens, scale)
         finally:
             del os.environ[cpu_ops.ENV_SWITCH]
 

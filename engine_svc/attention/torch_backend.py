@@ -69,12 +69,14 @@ class TorchAttentionBackend:
     def __init__(self) -> None:
         self._plan_key: tuple | None = None
         self._plan = None
+        self._choices: dict[str, tuple[tuple, object]] = {}
 
     # ------------------------------------------------------------------ writes
     def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         if slot_mapping.numel() == 0:
             return
-        writer = kv_writer_for(key, value, k_cache, slot_mapping)
+        writer = self._chosen("write", (slot_mapping, key.dtype, value.dtype, k_cache.dtype, key.is_cpu, k_cache.is_cpu),
+                              lambda: kv_writer_for(key, value, k_cache, slot_mapping))
         if writer is not None:  # CPU: one C++ call, no mask, no per-layer index tensors
             writer(key, value, k_cache, v_cache, slot_mapping)
             return
@@ -98,7 +100,10 @@ class TorchAttentionBackend:
     def paged_decode(self, query, k_cache, v_cache, block_tables, context_lens, scale):
         if query.shape[0] == 0:
             return torch.empty_like(query)
-        kernel = decode_kernel_for(query, k_cache, v_cache, block_tables, context_lens)
+        kernel = self._chosen("decode", (block_tables, context_lens, query.dtype, k_cache.dtype, v_cache.dtype,
+                                         query.is_cpu, k_cache.is_cpu, v_cache.is_cpu, k_cache.is_contiguous(),
+                                         v_cache.is_contiguous()),
+                              lambda: decode_kernel_for(query, k_cache, v_cache, block_tables, context_lens))
         if kernel is not None:
             return kernel(query, k_cache, v_cache, block_tables, context_lens, scale)
         key = ("decode", block_tables, block_tables._version, context_lens, context_lens._version, k_cache.shape[1])
@@ -130,6 +135,17 @@ class TorchAttentionBackend:
             )
             out[seq.start : seq.end] = o[0].transpose(0, 1)
         return out
+
+    def _chosen(self, what: str, key: tuple, choose):
+        # A kernel is chosen once per step, not per layer: every layer passes the same metadata
+        # tensors (compared by identity; the key holds them, so no new tensor can take their id)
+        # and a pool and rows of the same kind (the key's dtypes, devices and layout).
+        held = self._choices.get(what)
+        if held is not None and all(a is b for a, b in zip(key, held[0])):
+            return held[1]
+        kernel = choose()
+        self._choices[what] = (key, kernel)
+        return kernel
 
     def _cached(self, key: tuple, build):
         # Every layer of a step passes the very same metadata tensors: build the indices once.
