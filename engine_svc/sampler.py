@@ -110,7 +110,7 @@ class Sampler:
     # ------------------------------------------------------------------ sampling
     def _sample(self, logits: torch.Tensor, requests: list[SampleRow]) -> torch.Tensor:
         greedy = torch.tensor([r.params.is_greedy for r in requests], device=logits.device)
-        argmax = logits.argmax(dim=-1)
+        argmax = _argmax(logits)
         if bool(greedy.all()):
             return argmax
         if self.use_flashinfer and logits.is_cuda and all(r.generator is None for r in requests):
@@ -168,6 +168,18 @@ class Sampler:
                 top_ids=tuple(top_ids_l[j][:n]) if n else (),
                 top_logprobs=tuple(top_lp_l[j][:n]) if n else ())
         return out
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1); CPU float32 rows through the C++ op (cpu_sampling.cpp, same answers,
+    ~5x faster for a batch of 256 here)."""
+    if logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0:
+        from engine_svc.attention.cpu_ops import argmax_op
+
+        op = argmax_op()
+        if op is not None:
+            return op(logits)
+    return logits.argmax(dim=-1)
 
 
 def _apply_grammars(logits: torch.Tensor, requests: list[SampleRow], rows: list[int]) -> None:

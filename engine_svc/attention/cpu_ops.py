@@ -1,5 +1,6 @@
 """Builds and loads the C++ CPU kernels on first use: cpu_kernels.cpp (paged decode attention),
-the KV write, cpu_prefill.cpp (paged prefill attention, bfloat16), cpu_gemv.cpp (the small-batch linear layer) and cpu_bitmask.cpp (structured outputs' logits mask).
+the KV write, cpu_prefill.cpp (paged prefill attention, bfloat16), cpu_gemv.cpp (the small-batch linear layer),
+cpu_bitmask.cpp (structured outputs' logits mask) and cpu_sampling.cpp (greedy sampling's argmax).
 
 One shared library is compiled with g++ straight against torch's headers and libraries (no
 ninja, no pybind: the ops are registered with TORCH_LIBRARY and called as
@@ -34,7 +35,7 @@ from engine_svc import cpu_info
 logger = logging.getLogger("pagedserve.attention")
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_kernels.cpp", "cpu_prefill.cpp", "cpu_gemv.cpp", "cpu_bitmask.cpp")]
+           for name in ("cpu_kernels.cpp", "cpu_prefill.cpp", "cpu_gemv.cpp", "cpu_bitmask.cpp", "cpu_sampling.cpp")]
 BASE_FLAGS = ["-std=c++17", "-O3", "-fPIC", "-shared", "-fopenmp", "-fno-trapping-math", "-Wno-unused-parameter"]
 ENV_SWITCH = "PAGEDSERVE_CPU_KERNELS"
 PREBUILT_ENV = "PAGEDSERVE_CPU_KERNELS_DIR"
@@ -46,7 +47,9 @@ VARIANTS = ([], AVX2_FLAGS, AVX2_FLAGS + AVX512_FLAGS)  # every answer cpu_flags
 
 
 def enabled() -> bool:
-    """False when PAGEDSERVE_CPU_KERNELS is set to 0/false/off (read at each call, so tests can flip it)."""
+    """False when PAGEDSERVE_CPU_KERNELS is set to 0/false/off (read at each call, so tests can flip
+    it; a TorchAttentionBackend chooses its kernels once per step's metadata tensors, so a flip
+    takes effect from its next step, or at once in a new backend)."""
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
@@ -92,6 +95,11 @@ def prefill_kernel_for(query, k_cache, v_cache):
 def linear_op():
     """torch.ops.pagedserve_cpu.linear (bfloat16 GEMV for a few rows, else at::linear), or None."""
     return torch.ops.pagedserve_cpu.linear if paged_decode_op() is not None else None
+
+
+def argmax_op():
+    """torch.ops.pagedserve_cpu.argmax_rows (each float32 row's argmax, as torch.argmax), or None."""
+    return torch.ops.pagedserve_cpu.argmax_rows if paged_decode_op() is not None else None
 
 
 def bitmask_op():
@@ -187,5 +195,6 @@ def _torch_libs() -> list[str]:
     return [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-lc10", "-ltorch_cpu", "-ltorch"]
 
 
-__all__ = ["enabled", "paged_decode_op", "decode_kernel_for", "kv_writer_for", "prefill_kernel_for", "linear_op", "build", "cache_dir",
+__all__ = ["enabled", "paged_decode_op", "decode_kernel_for", "kv_writer_for", "prefill_kernel_for", "linear_op",
+           "argmax_op", "bitmask_op", "build", "cache_dir",
            "prebuild", "prebuilt"]

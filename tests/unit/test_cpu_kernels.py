@@ -96,10 +96,16 @@ def test_half_precision_pool_accumulates_in_float32(kernel, dtype):
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (6, 2, 64), (4, 4, 64),
                                                            (12, 3, 128), (10, 2, 64), (6, 2, 96)])
-def test_bfloat16_pool_in_place_every_gqa_layout(kernel, num_heads, num_kv_heads, head_dim):
-    """The in-place bfloat16 path (register accumulators for groups of 1-4, a general loop beyond,
-    a runtime head size) against the same inputs in float32: one bf16 rounding of the output apart."""
+@pytest.mark.parametrize("batch", ["small", "large"])
+def test_bfloat16_pool_in_place_every_gqa_layout(kernel, num_heads, num_kv_heads, head_dim, batch):
+    """The bfloat16 path (register accumulators for groups of 1-4, a general loop beyond, a runtime
+    head size; rows gathered 256 positions at a time) against the same inputs in float32: one bf16
+    rounding of the output and of the attention weights apart. A small batch is split into one work
+    item per kv head, a large one (>= 4 sequences per thread) into whole sequences."""
     lens = [1, 15, 16, 17, 160, 1100]
+    if batch == "large":
+        lens = lens + [255, 256, 257, 511, 513, 2, 33, 700] + torch.randint(
+            1, 600, (10,), generator=torch.Generator().manual_seed(head_dim)).tolist()
     k_cache, v_cache, block_tables = make_pool(lens, 16, num_kv_heads, head_dim, seed=num_heads, dtype=torch.bfloat16)
     query = torch.randn(len(lens), num_heads, head_dim).bfloat16()
     context_lens = torch.tensor(lens, dtype=torch.int32)
@@ -257,3 +263,23 @@ def test_token_bitmask_matches_a_torch_reference(kernel, dtype, vocab):
     expected = logits.clone()
     expected[rows] = logits[rows].masked_fill(~allowed[rows], float("-inf"))
     assert torch.equal(out, expected)
+
+
+def test_argmax_rows_answers_as_torch_argmax(kernel):
+    """Greedy sampling's argmax (cpu_sampling.cpp): the first maximal index, a NaN row's first NaN,
+    an all -inf row's 0, rows of every length around the 16-lane width."""
+    op = cpu_ops.argmax_op()
+    gen = torch.Generator().manual_seed(3)
+    for vocab in (1, 15, 16, 17, 100, 49152):
+        logits = torch.randn(37, vocab, generator=gen)
+        logits[1] = -math.inf
+        logits[2, vocab // 2] = math.nan
+        logits[3, -1] = math.nan
+        if vocab > 2:
+            logits[4, 1] = logits[4, -1] = logits[4].max() + 1  # a tie: the first one wins
+            logits[5, 0] = math.inf
+            logits[6] = 0.0  # all equal
+        got = op(logits)
+        assert got.dtype == torch.int64
+        assert torch.equal(got, logits.argmax(dim=-1)), vocab
+    assert torch.equal(op(logits[:, ::2]), logits[:, ::2].argmax(dim=-1))  # a strided view
