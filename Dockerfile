@@ -45,7 +45,7 @@ RUN if [ "$CPU_KERNELS" = 1 ]; then \
         apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*; fi
 # only what the build reads, so that other code changes reuse this stage
 COPY engine_svc/cpu_info.py ./engine_svc/
-COPY engine_svc/attention/cpu_ops.py engine_svc/attention/*.cpp ./engine_svc/attention/
+COPY engine_svc/attention/cpu_ops.py engine_svc/attention/*.cpp engine_svc/attention/*.h ./engine_svc/attention/
 RUN mkdir -p /opt/pagedserve/kernels \
     && touch engine_svc/__init__.py engine_svc/attention/__init__.py \
     && if [ "$CPU_KERNELS" = 1 ]; then python -c "from engine_svc.attention.cpu_ops import prebuild; \

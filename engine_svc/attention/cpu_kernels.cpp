@@ -33,6 +33,8 @@
 #define PAGEDSERVE_BF16_DOT 1
 #endif
 
+#include "cpu_simd.h"
+
 namespace {
 
 constexpr int kLanes = 16;  // two AVX2 registers of accumulators hide the FMA latency
@@ -249,23 +251,6 @@ inline void weights_bf16(const float* w, int64_t ctx, uint16_t* out) {
   }
 }
 
-// exp_nonpos on 16 lanes (the same Cephes-style polynomial, in AVX-512 intrinsics).
-inline __m512 exp_nonpos16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 round = _mm512_set1_ps(12582912.0f);
-  const __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), round), round);
-  const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
 // Softmax numerators in place over scores[0, ctx) (16 lanes at a time); answers 1 / their sum.
 inline float softmax16(float* sc, int64_t ctx) {
   const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -278,7 +263,7 @@ inline float softmax16(float* sc, int64_t ctx) {
   __m512 sum = _mm512_setzero_ps();  // >= 1: the max itself contributes exp(0)
   for (int64_t p = 0; p < ctx; p += 16) {
     const __mmask16 m = ctx - p >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (ctx - p)) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpos16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + p), max)));
+    const __m512 e = _mm512_maskz_mov_ps(m, pagedserve_simd::exp512_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + p), max)));
     _mm512_mask_storeu_ps(sc + p, m, e);
     sum = _mm512_add_ps(sum, e);
   }

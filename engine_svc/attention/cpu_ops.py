@@ -36,6 +36,7 @@ logger = logging.getLogger("pagedserve.attention")
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_kernels.cpp", "cpu_prefill.cpp", "cpu_gemv.cpp", "cpu_bitmask.cpp", "cpu_sampling.cpp")]
+HEADERS = [Path(__file__).with_name("cpu_simd.h")]  # included by the sources: part of the cache key too
 BASE_FLAGS = ["-std=c++17", "-O3", "-fPIC", "-shared", "-fopenmp", "-fno-trapping-math", "-Wno-unused-parameter"]
 ENV_SWITCH = "PAGEDSERVE_CPU_KERNELS"
 PREBUILT_ENV = "PAGEDSERVE_CPU_KERNELS_DIR"
@@ -164,7 +165,7 @@ def build(vector_flags: list[str] | None = None, target: Path | None = None) -> 
     command = [compiler, *BASE_FLAGS, *(cpu_flags() if vector_flags is None else vector_flags), *_torch_flags()]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     digest = hashlib.sha256("\0".join([*command, version, torch.__version__]).encode()
-                            + b"".join(source.read_bytes() for source in SOURCES))
+                            + b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS)))
     target = target or cache_dir() / f"pagedserve_cpu_{digest.hexdigest()[:20]}.so"
     if target.exists():
         return target

@@ -36,6 +36,8 @@
 #define PAGEDSERVE_BF16_PREFILL 1
 #endif
 
+#include "cpu_simd.h"
+
 namespace {
 
 #ifdef PAGEDSERVE_BF16_PREFILL
@@ -65,22 +67,6 @@ struct Scratch {
   alignas(64) float o[D][kRows];             // output accumulators
   __mmask16 valid[kChunk];                   // rows that see each key of the chunk
 };
-
-// exp(x) for x <= 0 on 16 lanes: the polynomial of exp_nonpos, scaled by 2^k with VSCALEFPS.
-inline __m512 exp512_nonpos(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, k);
-}
 
 // 16-bit lanes (a[i], b[i]) for i in [0, 16) and [16, 32) of two vectors of 32
 const __m512i kInterleaveLo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
@@ -154,11 +140,11 @@ void run_item(const Problem& P, const Item& it, Scratch<D>& w) {
       w.valid[k] = key <= first ? __mmask16(0xFFFF) : _mm512_cmpge_epi32_mask(positions, _mm512_set1_epi32(int(key)));
       mx = _mm512_mask_max_ps(mx, w.valid[k], mx, _mm512_load_ps(w.s[k]));
     }
-    const __m512 corr = exp512_nonpos(_mm512_sub_ps(m, mx));  // ~0 on the first chunk (m = -inf, o = 0)
+    const __m512 corr = pagedserve_simd::exp512_nonpos(_mm512_sub_ps(m, mx));  // ~0 on the first chunk (m = -inf, o = 0)
     m = mx;
     __m512 sum = _mm512_setzero_ps();
     for (int k = 0; k < nk; ++k) {
-      const __m512 e = _mm512_maskz_mov_ps(w.valid[k], exp512_nonpos(_mm512_sub_ps(_mm512_load_ps(w.s[k]), mx)));
+      const __m512 e = _mm512_maskz_mov_ps(w.valid[k], pagedserve_simd::exp512_nonpos(_mm512_sub_ps(_mm512_load_ps(w.s[k]), mx)));
       sum = _mm512_add_ps(sum, e);
       _mm512_store_ps(w.s[k], e);
     }

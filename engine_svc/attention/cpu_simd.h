@@ -1,0 +1,28 @@
+// AVX-512 helpers shared by the CPU kernels (cpu_kernels.cpp, cpu_prefill.cpp); header-only, so each
+// translation unit gets its own inline copy. Part of the build's hash (cpu_ops.HEADERS).
+#pragma once
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+namespace pagedserve_simd {
+
+// exp(x) for x <= 0 on 16 lanes: the Cephes-style polynomial of exp_nonpos (cpu_kernels.cpp), scaled by 2^k with VSCALEFPS.
+inline __m512 exp512_nonpos(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, k);
+}
+
+}  // namespace pagedserve_simd
+
+#endif
