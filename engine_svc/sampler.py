@@ -109,13 +109,13 @@ class Sampler:
 
     # ------------------------------------------------------------------ sampling
     def _sample(self, logits: torch.Tensor, requests: list[SampleRow]) -> torch.Tensor:
-        greedy = torch.tensor([r.params.is_greedy for r in requests], device=logits.device)
-        argmax = _argmax(logits)
-        if bool(greedy.all()):
-            return argmax
+        greedy = [r.params.is_greedy for r in requests]
+        if all(greedy):
+            return _argmax(logits)
         if self.use_flashinfer and logits.is_cuda and all(r.generator is None for r in requests):
             return self._sample_flashinfer(logits, requests)
-        temps = torch.tensor([1.0 if r.params.is_greedy else r.params.temperature for r in requests],
+        raw = logits
+        temps = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, requests)],
                              dtype=logits.dtype, device=logits.device)
         logits = logits / temps.unsqueeze(1)
         logits = _min_p(logits, requests)
@@ -126,7 +126,9 @@ class Sampler:
             if request.generator is not None:
                 noise[i].exponential_(generator=request.generator)
         sampled = (probs / noise).argmax(dim=-1)  # the exponential race: one draw from probs
-        return torch.where(greedy, argmax, sampled)
+        if not any(greedy):
+            return sampled
+        return torch.where(torch.tensor(greedy, device=logits.device), _argmax(raw), sampled)
 
     @staticmethod
     def _sample_flashinfer(logits: torch.Tensor, requests: list[SampleRow]) -> torch.Tensor:

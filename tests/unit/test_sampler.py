@@ -100,3 +100,16 @@ def test_sampling_distribution_matches_softmax():
     expected = logits.softmax(-1)[0] * 4000
     chi2 = ((counts - expected) ** 2 / expected).sum().item()
     assert chi2 < 16.3  # chi-square, 3 degrees of freedom, p = 0.001
+
+
+def test_a_mixed_batch_greedy_rows_take_the_argmax_and_seeded_rows_draw_as_alone():
+    torch.manual_seed(4)
+    logits = torch.randn(4, VOCAB) * 2
+    seeded = SamplingParams(temperature=0.7, seed=11)
+    alone = sample(logits[1:2], make_requests([seeded])).token_ids[0]
+    batch = make_requests([SamplingParams(temperature=0.0), seeded, SamplingParams(temperature=0.0), seeded])
+    out = sample(logits, batch).token_ids
+    assert [out[0], out[2]] == [logits[0].argmax().item(), logits[2].argmax().item()]
+    assert out[1] == alone
+    only_sampled = sample(logits[1:2].repeat(2, 1), make_requests([seeded, seeded])).token_ids
+    assert only_sampled == [alone, alone]  # no greedy row: no argmax taken, the draws as before
