@@ -62,21 +62,20 @@ class _PrefillSeq:
 
 
 class TorchAttentionBackend:
-    """Batched torch ops over the paged pool; owns nothing but a one-step cache of gather indices."""
+    """Batched torch ops over the paged pool; owns nothing but what one step's metadata decides (the
+    kernels chosen, the gather indices), kept until the next step's."""
 
     name = "torch"
 
     def __init__(self) -> None:
-        self._plan_key: tuple | None = None
-        self._plan = None
-        self._choices: dict[str, tuple[tuple, object]] = {}
+        self._memo: dict[str, tuple[tuple, object]] = {}  # slot -> (key, what build() answered)
 
     # ------------------------------------------------------------------ writes
     def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         if slot_mapping.numel() == 0:
             return
-        writer = self._chosen("write", (slot_mapping, key.dtype, value.dtype, k_cache.dtype, key.is_cpu, k_cache.is_cpu),
-                              lambda: kv_writer_for(key, value, k_cache, slot_mapping))
+        writer = self._once("write", (slot_mapping, key.dtype, value.dtype, k_cache.dtype, key.is_cpu, k_cache.is_cpu),
+                            lambda: kv_writer_for(key, value, k_cache, slot_mapping))
         if writer is not None:  # CPU: one C++ call, no mask, no per-layer index tensors
             writer(key, value, k_cache, v_cache, slot_mapping)
             return
@@ -100,20 +99,21 @@ class TorchAttentionBackend:
     def paged_decode(self, query, k_cache, v_cache, block_tables, context_lens, scale):
         if query.shape[0] == 0:
             return torch.empty_like(query)
-        kernel = self._chosen("decode", (block_tables, context_lens, query.dtype, k_cache.dtype, v_cache.dtype,
-                                         query.is_cpu, k_cache.is_cpu, v_cache.is_cpu, k_cache.is_contiguous(),
-                                         v_cache.is_contiguous()),
-                              lambda: decode_kernel_for(query, k_cache, v_cache, block_tables, context_lens))
+        kernel = self._once("decode kernel", (block_tables, context_lens, query.dtype, k_cache.dtype, v_cache.dtype,
+                                              query.is_cpu, k_cache.is_cpu, v_cache.is_cpu, k_cache.is_contiguous(),
+                                              v_cache.is_contiguous()),
+                            lambda: decode_kernel_for(query, k_cache, v_cache, block_tables, context_lens))
         if kernel is not None:
             return kernel(query, k_cache, v_cache, block_tables, context_lens, scale)
         key = ("decode", block_tables, block_tables._version, context_lens, context_lens._version, k_cache.shape[1])
-        groups = self._cached(key, lambda: _decode_groups(block_tables, context_lens, k_cache.shape[1]))
+        groups = self._once("indices", key, lambda: _decode_groups(block_tables, context_lens, k_cache.shape[1]))
         return _decode(query, k_cache, v_cache, groups, scale)
 
     def paged_prefill(self, query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale):
         key = ("prefill", block_tables, block_tables._version, context_lens, context_lens._version,
                query_start_loc, query_start_loc._version, k_cache.shape[1])
-        plan = self._cached(key, lambda: _prefill_plan(block_tables, query_start_loc, context_lens, k_cache.shape[1]))
+        plan = self._once("indices", key,
+                          lambda: _prefill_plan(block_tables, query_start_loc, context_lens, k_cache.shape[1]))
         decode, seqs = plan
         out = torch.empty_like(query)
         if decode is not None:
@@ -136,27 +136,20 @@ class TorchAttentionBackend:
             out[seq.start : seq.end] = o[0].transpose(0, 1)
         return out
 
-    def _chosen(self, what: str, key: tuple, choose):
-        # A kernel is chosen once per step, not per layer: every layer passes the same metadata
-        # tensors (compared by identity; the key holds them, so no new tensor can take their id)
-        # and a pool and rows of the same kind (the key's dtypes, devices and layout).
-        held = self._choices.get(what)
-        if held is not None and all(a is b for a, b in zip(key, held[0])):
-            return held[1]
-        kernel = choose()
-        self._choices[what] = (key, kernel)
-        return kernel
-
-    def _cached(self, key: tuple, build):
-        # Every layer of a step passes the very same metadata tensors: build the indices once.
-        # Holding the tensors in the key keeps their ids unique; _version catches in-place edits.
-        if self._plan_key is not None and len(key) == len(self._plan_key) and all(
-            a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(key, self._plan_key)
+    def _once(self, slot: str, key: tuple, build):
+        """build()'s answer, kept in ``slot`` until ``key`` changes. Every layer of a step passes the
+        very same metadata tensors, compared by identity (the key holds them, so no new tensor can
+        take their id; a ``_version`` in the key catches an in-place edit), and a pool and rows of
+        one kind, compared by value: a kernel is chosen and gather indices are built once per step,
+        not once per layer."""
+        held = self._memo.get(slot)
+        if held is not None and len(held[0]) == len(key) and all(
+            a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(key, held[0])
         ):
-            return self._plan
-        self._plan = build()
-        self._plan_key = key
-        return self._plan
+            return held[1]
+        value = build()
+        self._memo[slot] = (key, value)
+        return value
 
 
 def _decode(query, k_cache, v_cache, groups: list[_DecodeGroup], scale: float) -> torch.Tensor:
