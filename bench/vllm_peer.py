@@ -18,7 +18,8 @@ puts its compute on nproc-1 cores and leaves one to its API server and scheduler
 'VLLM_CPU_OMP_THREADS_BIND=0-1' changes that). pagedserve runs as `pagedserve serve` starts it
 (the engine at SCHED_IDLE with one OpenMP thread per CPU, engine_svc/__main__.py). The saved JSON of each client run gives output tokens/s and the median/p99
 TPOT, ITL and TTFT; ratios are ours/vLLM. Tables and JSON go to bench/out/ (logs and raw JSON
-under bench/out/vllm_peer/), the plot to docs/bench/vllm-cpu.png (bench/vllm_report.py).
+under bench/out/vllm_peer/), the plot to docs/bench/vllm-cpu.png (bench/vllm_report.py; a run of one
+server only: to bench/out/vllm_peer.png, leaving the README's plot as it is).
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ METRICS = {
     "p99_ttft_ms": ("TTFT p99 ms", False),
 }
 HEADER = ["concurrency", "metric", "vLLM", "pagedserve", "ours/vLLM"]
-PLOT_PATH = REPO_ROOT / "docs" / "bench" / "vllm-cpu.png"
+PLOT_PATH = REPO_ROOT / "docs" / "bench" / "vllm-cpu.png"  # the README's: a run of both servers
+PARTIAL_PLOT_PATH = OUT_DIR / "vllm_peer.png"  # a run of one server leaves the README's plot alone
 SERVER_COLORS = {"vllm": "tab:blue", "pagedserve": "tab:orange"}
 DTYPE_STYLES = ["-", "--", ":", "-."]
 
@@ -116,7 +117,9 @@ def plot_results(results: dict, meta: dict) -> None:
         ax.grid(alpha=0.3)
     ax_tps.legend(fontsize=8)
     fig.suptitle(f"pagedserve vs vLLM CPU ({meta['vllm_cpu']}): {meta['workload']}", fontsize=10)
-    PLOT_PATH.parent.mkdir(parents=True, exist_ok=True)
+    both = all(set(SERVER_COLORS) <= set(per_server) for per_server in results.values())
+    path = PLOT_PATH if both else PARTIAL_PLOT_PATH
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(PLOT_PATH, dpi=110)
-    print(f"plot: {PLOT_PATH}")
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
