@@ -11,10 +11,13 @@
 //                               y[m][n] = sum(acc[m]) (+ b[n])
 //
 // Weight rows are split over the threads (at::parallel_for), so both cores stream; more than 8 token
-// rows go in tiles of 8 over a cached block of weight rows. Anything else (another dtype, a larger
-// bfloat16 M, K not a multiple of 32, a CPU without AVX-512 and BF16) goes to at::linear (oneDNN).
+// rows go in tiles of 8 over a cached block of weight rows. A larger float32 M goes to oneDNN's
+// matmul (mkldnn::_linear_pointwise), anything else (another dtype, a larger bfloat16 M, K not a
+// multiple of 32, a CPU without AVX-512 and BF16) to at::linear (oneDNN for bfloat16).
 
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <ATen/core/Tensor.h>
@@ -35,9 +38,11 @@ namespace {
 
 constexpr int64_t kTileRows = 8, kBlockRows = 32;
 // Measured here against at::linear (2 threads): bfloat16 2-3.5x faster at M = 1, even at M = 24-32,
-// and oneDNN's blocked GEMM ahead from M = 64 (1.3-1.9x at 256); float32 1.6-4x faster at every M
-// from 1 to 256 (ATen's float32 GEMM reaches ~140 GFLOP/s here), so it has no limit.
-constexpr int64_t kMaxRowsBf16 = 24, kMaxRowsF32 = INT64_MAX;
+// and oneDNN's blocked GEMM ahead from M = 64 (1.3-1.9x at 256). float32: at::linear is MKL's SGEMM,
+// which runs AVX2 code on this AMD CPU (~170 GFLOP/s); oneDNN's float32 matmul runs AVX-512 (~420
+// GFLOP/s at M = 2,048, same float32 arithmetic). Streaming 30 layers' weights from memory, as a
+// step does, this loop is 1.3-1.7x faster than oneDNN up to M = 7 and 1.2-1.7x slower from M = 8.
+constexpr int64_t kMaxRowsBf16 = 24, kMaxRowsF32 = 7;
 
 #ifdef PAGEDSERVE_BF16_GEMV
 // float32 weights: 16 products per FMA instead of 32, the same streaming order.
@@ -121,6 +126,21 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, con
 }
 #endif
 
+// oneDNN's linear for float32 (at::linear would take MKL's), through the dispatcher: ATen registers
+// it as mkldnn::_linear_pointwise with no C++ entry point of its own.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, weight, bias, std::string("none"), c10::List<c10::optional<at::Scalar>>(), c10::IValue()};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+bool onednn_takes(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return at::hasMKLDNN() && at::globalContext().userEnabledMkldnn() && x.numel() > 0 && x.scalar_type() == at::kFloat &&
+         weight.scalar_type() == at::kFloat && weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1) &&
+         (!bias.has_value() || !bias->defined() || bias->scalar_type() == at::kFloat);
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
 #ifdef PAGEDSERVE_BF16_GEMV
   const int64_t K = x.size(-1), N = weight.size(0);
@@ -135,7 +155,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
     return small_batch_linear<c10::BFloat16>(x, weight, has_bias ? bias->data_ptr<c10::BFloat16>() : nullptr, M);
   }
 #endif
-  return at::linear(x, weight, bias);
+  return onednn_takes(x, weight, bias) ? onednn_linear(x, weight, bias) : at::linear(x, weight, bias);
 }
 
 }  // namespace

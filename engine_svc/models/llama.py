@@ -27,8 +27,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cpu_gemv: bool) -> torch.Tensor:
-    """F.linear; on a bfloat16 CPU model, through the GEMV kernel (cpu_gemv.cpp), which streams the
-    weights ~2-3x faster than oneDNN for the few rows of a decode step and defers to it otherwise."""
+    """F.linear; on a bfloat16 or float32 CPU model, through cpu_gemv.cpp, which streams the weights
+    faster than oneDNN for the few rows of a decode step and defers to it otherwise (float32 too:
+    F.linear would take MKL's SGEMM, AVX2-only on this AMD CPU)."""
     return torch.ops.pagedserve_cpu.linear(x, weight, bias) if cpu_gemv else F.linear(x, weight, bias)
 
 

@@ -229,8 +229,9 @@ def test_kv_write_checks_every_slot_before_writing(kernel):
 @pytest.mark.parametrize("num_rows", [1, 3, 8, 9, 17, 24, 40])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_batch_linear_matches_torch(kernel, dtype, num_rows, with_bias):
-    """cpu_gemv.cpp against a float64 reference on random inputs (rows past 8 run in tiles, 40
-    bfloat16 rows go to oneDNN); the output is fresh, so an unwritten element would be garbage."""
+    """cpu_gemv.cpp against a float64 reference on random inputs (rows past 8 run in tiles; float32
+    from 8 rows and 40 bfloat16 rows go to oneDNN); the output is fresh, so an unwritten element
+    would be garbage."""
     linear = cpu_ops.linear_op()
     gen = torch.Generator().manual_seed(num_rows)
     x = torch.randn(num_rows, 96, generator=gen).to(dtype)
