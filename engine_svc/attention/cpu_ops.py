@@ -1,5 +1,5 @@
 """Builds and loads the C++ CPU kernels on first use: cpu_kernels.cpp (paged decode attention),
-the KV write, cpu_prefill.cpp (paged prefill attention, bfloat16), cpu_gemv.cpp (the small-batch linear layer),
+the KV write, cpu_prefill.cpp (paged prefill attention, bfloat16 and float32), cpu_gemv.cpp (the small-batch linear layer),
 cpu_bitmask.cpp (structured outputs' logits mask) and cpu_sampling.cpp (greedy sampling's argmax).
 
 One shared library is compiled with g++ straight against torch's headers and libraries (no
@@ -82,11 +82,11 @@ def kv_writer_for(key, value, k_cache, slot_mapping):
 
 
 def prefill_kernel_for(query, k_cache, v_cache):
-    """torch.ops.pagedserve_cpu.paged_prefill when it can serve these tensors (CPU, a bfloat16
-    pool, a CPU with AVX512-BF16, head size 64 or 128), else None: the caller then gathers the
-    context and runs torch's SDPA."""
+    """torch.ops.pagedserve_cpu.paged_prefill when it can serve these tensors (CPU, a bfloat16 or
+    float32 pool, a CPU with AVX512-BF16, head size 64 or 128), else None: the caller then gathers
+    the context and runs torch's SDPA."""
     if not (query.device.type == k_cache.device.type == "cpu" and query.dtype == k_cache.dtype == v_cache.dtype
-            == torch.bfloat16 and k_cache.is_contiguous() and v_cache.is_contiguous()):
+            and query.dtype in (torch.bfloat16, torch.float32) and k_cache.is_contiguous() and v_cache.is_contiguous()):
         return None
     if paged_decode_op() is None or not torch.ops.pagedserve_cpu.paged_prefill_supported(query.shape[-1]):
         return None
@@ -94,7 +94,8 @@ def prefill_kernel_for(query, k_cache, v_cache):
 
 
 def linear_op():
-    """torch.ops.pagedserve_cpu.linear (bfloat16 GEMV for a few rows, else at::linear), or None."""
+    """torch.ops.pagedserve_cpu.linear (a GEMV loop for a few rows; float32 beyond them through
+    oneDNN's matmul, anything else through at::linear), or None."""
     return torch.ops.pagedserve_cpu.linear if paged_decode_op() is not None else None
 
 

@@ -1,4 +1,4 @@
-// Paged prefill attention for CPU: causal flash attention over a bfloat16 pool, read in place.
+// Paged prefill attention for CPU: causal flash attention over a bfloat16 or float32 pool, read in place.
 //
 // A work item is 16 rows of one (sequence, kv head): the GQA group's query heads at consecutive
 // query positions (row = position x group + head), one row per lane of a float32 vector, so the
@@ -15,6 +15,8 @@
 //
 // Products are exact bf16 x bf16 sums in float32, the weights are rounded to bf16 before the
 // values product (as a bf16 GEMM would), the output is float32 until the final division.
+// A float32 pool takes the same tiles with FMAs (one dim of 16 rows per instruction instead of a
+// pair) and no rounding anywhere: scores, weights and values stay float32.
 // Slots past a sequence's context are never read. Items run longest first on a dynamic schedule:
 // the rows near a prompt's end read the most keys. The polynomial of exp512_nonpos is
 // cpu_kernels.cpp's exp_nonpos (Cephes), on 16 lanes.
@@ -29,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -49,23 +52,35 @@ struct Item {
   int64_t seq, kv_head, row_begin, cost;
 };
 
+template <typename T>
 struct Problem {
-  const c10::BFloat16 *query, *k_cache, *v_cache;
+  const T *query, *k_cache, *v_cache;
   const int32_t *tables, *starts, *lens;
-  c10::BFloat16* out;
+  T* out;
   int64_t num_heads, num_kv_heads, block_size, max_blocks, num_blocks;
   float scale;
 };
 
 // Per-thread scratch; every matrix is transposed so that a row of the tile is a vector lane.
+template <int D, typename T>
+struct Scratch;
+
 template <int D>
-struct Scratch {
+struct Scratch<D, c10::BFloat16> {
   alignas(64) uint32_t qp[D / 2][kRows];     // query dims (2p, 2p + 1) of each row, as bf16 pairs
   alignas(64) float s[kChunk][kRows];        // scores, then weights
   alignas(64) uint32_t pp[kChunk / 2][kRows];  // weights of keys (2j, 2j + 1) of each row, as bf16 pairs
   alignas(64) uint32_t vp[kChunk / 2][D];    // V[2j][d], V[2j + 1][d] as bf16 pairs
   alignas(64) float o[D][kRows];             // output accumulators
   __mmask16 valid[kChunk];                   // rows that see each key of the chunk
+};
+
+template <int D>
+struct Scratch<D, float> {
+  alignas(64) float q[D][kRows];       // query dim d of each row
+  alignas(64) float s[kChunk][kRows];  // scores, then weights
+  alignas(64) float o[D][kRows];       // output accumulators
+  __mmask16 valid[kChunk];
 };
 
 // 16-bit lanes (a[i], b[i]) for i in [0, 16) and [16, 32) of two vectors of 32
@@ -81,8 +96,51 @@ inline __m512i bf16_pairs(__m512 a, __m512 b) {
   return _mm512_permutex2var_epi16(lo, kInterleaveLo, hi);
 }
 
+// values: o[d][r] = corr[r] * o[d][r] + sum_k p[k][r] V[k][d] over a chunk's nk keys (weights in
+// w.s), 16 dims at a time. float32: each V element broadcast into an FMA.
 template <int D>
-void run_item(const Problem& P, const Item& it, Scratch<D>& w) {
+void add_values(Scratch<D, float>& w, const float* const* vrow, int nk, __m512 corr) {
+  for (int d0 = 0; d0 < D; d0 += 16) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_mul_ps(_mm512_load_ps(w.o[d0 + i]), corr);
+    for (int k = 0; k < nk; ++k) {
+      const __m512 p = _mm512_load_ps(w.s[k]);
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(p, _mm512_set1_ps(vrow[k][d0 + i]), acc[i]);
+    }
+    for (int i = 0; i < 16; ++i) _mm512_store_ps(w.o[d0 + i], acc[i]);
+  }
+}
+
+// bfloat16: the weights rounded to pairs of keys, the chunk's V rows packed as pairs of keys per
+// dim (a missing odd key is zero), one VDPBF16PS per pair of keys.
+template <int D>
+void add_values(Scratch<D, c10::BFloat16>& w, const c10::BFloat16* const* vrow, int nk, __m512 corr) {
+  if (nk % 2) _mm512_store_ps(w.s[nk], _mm512_setzero_ps());
+  const int pairs = (nk + 1) / 2;
+  for (int j = 0; j < pairs; ++j) _mm512_store_si512(w.pp[j], bf16_pairs(_mm512_load_ps(w.s[2 * j]), _mm512_load_ps(w.s[2 * j + 1])));
+  for (int j = 0; j < pairs; ++j) {
+    const uint32_t* a = reinterpret_cast<const uint32_t*>(vrow[2 * j]);
+    const uint32_t* b = 2 * j + 1 < nk ? reinterpret_cast<const uint32_t*>(vrow[2 * j + 1]) : nullptr;
+    for (int d0 = 0; d0 < D; d0 += 32) {  // 32 dims of each key, interleaved into 2 x 16 pairs
+      const __m512i va = _mm512_loadu_si512(a + d0 / 2), vb = b ? _mm512_loadu_si512(b + d0 / 2) : _mm512_setzero_si512();
+      _mm512_store_si512(w.vp[j] + d0, _mm512_permutex2var_epi16(va, kInterleaveLo, vb));
+      _mm512_store_si512(w.vp[j] + d0 + 16, _mm512_permutex2var_epi16(va, kInterleaveHi, vb));
+    }
+  }
+  for (int d0 = 0; d0 < D; d0 += 16) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_mul_ps(_mm512_load_ps(w.o[d0 + i]), corr);
+    for (int j = 0; j < pairs; ++j) {
+      const __m512bh p = (__m512bh)_mm512_load_si512(w.pp[j]);
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], p, (__m512bh)_mm512_set1_epi32(int(w.vp[j][d0 + i])));
+    }
+    for (int i = 0; i < 16; ++i) _mm512_store_ps(w.o[d0 + i], acc[i]);
+  }
+}
+
+template <int D, typename T>
+void run_item(const Problem<T>& P, const Item& it, Scratch<D, T>& w) {
+  constexpr bool kBf16 = std::is_same_v<T, c10::BFloat16>;
   const int64_t group = P.num_heads / P.num_kv_heads;
   const int64_t q_len = P.starts[it.seq + 1] - P.starts[it.seq], ctx = P.lens[it.seq];
   const int64_t rows = std::min<int64_t>(kRows, q_len * group - it.row_begin);
@@ -95,23 +153,27 @@ void run_item(const Problem& P, const Item& it, Scratch<D>& w) {
     const int64_t row = it.row_begin + std::min<int64_t>(r, rows - 1);
     const int64_t token = P.starts[it.seq] + row / group;
     pos[r] = int32_t(ctx - q_len + row / group);
-    const uint32_t* q = reinterpret_cast<const uint32_t*>(P.query + (token * P.num_heads + it.kv_head * group + row % group) * D);
-    for (int p = 0; p < D / 2; ++p) w.qp[p][r] = q[p];
+    const T* q = P.query + (token * P.num_heads + it.kv_head * group + row % group) * D;
+    if constexpr (kBf16) {
+      for (int p = 0; p < D / 2; ++p) w.qp[p][r] = reinterpret_cast<const uint32_t*>(q)[p];
+    } else {
+      for (int d = 0; d < D; ++d) w.q[d][r] = q[d];
+    }
   }
   const __m512i positions = _mm512_load_si512(pos);
   const int64_t visible = pos[kRows - 1] + 1, first = pos[0];  // keys [0, visible) matter to some row
   for (int d = 0; d < D; ++d) _mm512_store_ps(w.o[d], _mm512_setzero_ps());
   __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), l = _mm512_setzero_ps();
   // the pool rows of keys [k0, k0 + n) of this kv head, walking the block table (no division per key)
-  const uint32_t *krow[kChunk], *vrow[kChunk];
+  const T *krow[kChunk], *vrow[kChunk];
   auto locate = [&](int64_t k0, int n) {
     int64_t b = k0 / P.block_size, off = k0 % P.block_size;
     for (int k = 0; k < n;) {
       const int32_t block = table[b];  // checked by run_all, outside the parallel region
       const int64_t base = (int64_t(block) * P.block_size) * row_stride + it.kv_head * D;
       for (; off < P.block_size && k < n; ++off, ++k) {
-        krow[k] = reinterpret_cast<const uint32_t*>(P.k_cache + base + off * row_stride);
-        vrow[k] = reinterpret_cast<const uint32_t*>(P.v_cache + base + off * row_stride);
+        krow[k] = P.k_cache + base + off * row_stride;
+        vrow[k] = P.v_cache + base + off * row_stride;
       }
       ++b, off = 0;
     }
@@ -120,16 +182,25 @@ void run_item(const Problem& P, const Item& it, Scratch<D>& w) {
   for (int64_t k0 = 0; k0 < visible; k0 += kChunk) {
     const int nk = int(std::min<int64_t>(kChunk, visible - k0));
     locate(k0, nk);
-    // scores: s[k][r] = scale * q[r] . K[k0 + k], 16 keys at a time, each key's dims broadcast as pairs
+    // scores: s[k][r] = scale * q[r] . K[k0 + k], 16 keys at a time, each key's dims broadcast (as
+    // pairs in bfloat16)
     for (int kb = 0; kb < nk; kb += kKeys) {
       const int n = std::min(kKeys, nk - kb);
-      const uint32_t* kr[kKeys];
+      const T* kr[kKeys];
       for (int i = 0; i < kKeys; ++i) kr[i] = krow[kb + std::min(i, n - 1)];
       __m512 acc[kKeys];
       for (int i = 0; i < kKeys; ++i) acc[i] = _mm512_setzero_ps();
-      for (int p = 0; p < D / 2; ++p) {
-        const __m512bh q = (__m512bh)_mm512_load_si512(w.qp[p]);
-        for (int i = 0; i < kKeys; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], q, (__m512bh)_mm512_set1_epi32(int(kr[i][p])));
+      if constexpr (kBf16) {
+        for (int p = 0; p < D / 2; ++p) {
+          const __m512bh q = (__m512bh)_mm512_load_si512(w.qp[p]);
+          for (int i = 0; i < kKeys; ++i)
+            acc[i] = _mm512_dpbf16_ps(acc[i], q, (__m512bh)_mm512_set1_epi32(int(reinterpret_cast<const uint32_t*>(kr[i])[p])));
+        }
+      } else {
+        for (int d = 0; d < D; ++d) {
+          const __m512 q = _mm512_load_ps(w.q[d]);
+          for (int i = 0; i < kKeys; ++i) acc[i] = _mm512_fmadd_ps(q, _mm512_set1_ps(kr[i][d]), acc[i]);
+        }
       }
       for (int i = 0; i < n; ++i) _mm512_store_ps(w.s[kb + i], _mm512_mul_ps(acc[i], scale));
     }
@@ -148,42 +219,20 @@ void run_item(const Problem& P, const Item& it, Scratch<D>& w) {
       sum = _mm512_add_ps(sum, e);
       _mm512_store_ps(w.s[k], e);
     }
-    if (nk % 2) _mm512_store_ps(w.s[nk], _mm512_setzero_ps());
     l = _mm512_fmadd_ps(l, corr, sum);
-    const int pairs = (nk + 1) / 2;
-    for (int j = 0; j < pairs; ++j) _mm512_store_si512(w.pp[j], bf16_pairs(_mm512_load_ps(w.s[2 * j]), _mm512_load_ps(w.s[2 * j + 1])));
-    // V of the chunk as pairs of keys per dim (a missing odd key is zero)
-    for (int j = 0; j < pairs; ++j) {
-      const uint32_t* a = vrow[2 * j];
-      const uint32_t* b = 2 * j + 1 < nk ? vrow[2 * j + 1] : nullptr;
-      for (int d0 = 0; d0 < D; d0 += 32) {  // 32 dims of each key, interleaved into 2 x 16 pairs
-        const __m512i va = _mm512_loadu_si512(a + d0 / 2), vb = b ? _mm512_loadu_si512(b + d0 / 2) : _mm512_setzero_si512();
-        _mm512_store_si512(w.vp[j] + d0, _mm512_permutex2var_epi16(va, kInterleaveLo, vb));
-        _mm512_store_si512(w.vp[j] + d0 + 16, _mm512_permutex2var_epi16(va, kInterleaveHi, vb));
-      }
-    }
-    // values: o[d][r] = corr[r] * o[d][r] + sum_k p[k][r] V[k][d], 16 dims at a time
-    for (int d0 = 0; d0 < D; d0 += 16) {
-      __m512 acc[16];
-      for (int i = 0; i < 16; ++i) acc[i] = _mm512_mul_ps(_mm512_load_ps(w.o[d0 + i]), corr);
-      for (int j = 0; j < pairs; ++j) {
-        const __m512bh p = (__m512bh)_mm512_load_si512(w.pp[j]);
-        for (int i = 0; i < 16; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], p, (__m512bh)_mm512_set1_epi32(int(w.vp[j][d0 + i])));
-      }
-      for (int i = 0; i < 16; ++i) _mm512_store_ps(w.o[d0 + i], acc[i]);
-    }
+    add_values(w, vrow, nk, corr);
   }
   alignas(64) float inv[kRows];
   _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l));  // l >= 1: every row sees key 0 and its own max
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = it.row_begin + r, token = P.starts[it.seq] + row / group;
-    c10::BFloat16* dst = P.out + (token * P.num_heads + it.kv_head * group + row % group) * D;
-    for (int d = 0; d < D; ++d) dst[d] = c10::BFloat16(w.o[d][r] * inv[r]);
+    T* dst = P.out + (token * P.num_heads + it.kv_head * group + row % group) * D;
+    for (int d = 0; d < D; ++d) dst[d] = T(w.o[d][r] * inv[r]);
   }
 }
 
-template <int D>
-void run_all(const Problem& P, int64_t num_seqs, int64_t min_q_len) {
+template <int D, typename T>
+void run_all(const Problem<T>& P, int64_t num_seqs, int64_t min_q_len) {
   std::vector<Item> items;
   const int64_t group = P.num_heads / P.num_kv_heads;
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -204,10 +253,24 @@ void run_all(const Problem& P, int64_t num_seqs, int64_t min_q_len) {
   const int threads = std::max<int>(1, std::min<int64_t>(at::get_num_threads(), int64_t(items.size())));
 #pragma omp parallel num_threads(threads)
   {
-    Scratch<D> w;
+    Scratch<D, T> w;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < int64_t(items.size()); ++i) run_item<D>(P, items[i], w);
+    for (int64_t i = 0; i < int64_t(items.size()); ++i) run_item<D, T>(P, items[i], w);
   }
+}
+
+template <typename T>
+void run_typed(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+               const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+               double scale, int64_t min_q_len, at::Tensor& out) {
+  const Problem<T> P{query.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                     block_tables.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
+                     out.data_ptr<T>(), query.size(1), k_cache.size(2), k_cache.size(1), block_tables.size(1),
+                     k_cache.size(0), static_cast<float>(scale)};
+  if (query.size(2) == 64)
+    run_all<64, T>(P, context_lens.numel(), min_q_len);
+  else
+    run_all<128, T>(P, context_lens.numel(), min_q_len);
 }
 #endif
 
@@ -219,7 +282,7 @@ bool prefill_supported(int64_t head_dim) {
 #endif
 }
 
-// query [T, H, D] bf16; k/v_cache [num_blocks, block_size, Hkv, D] bf16; block_tables [S, max_blocks],
+// query [T, H, D]; k/v_cache [num_blocks, block_size, Hkv, D], all bf16 or all float32; block_tables [S, max_blocks],
 // query_start_loc [S + 1], context_lens [S] int32. Rows of sequences with q_len < min_q_len are left
 // as they are in `out` (the caller serves them, e.g. with the decode kernel).
 void paged_prefill(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -227,9 +290,10 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& k_cache, const at:
                    double scale, int64_t min_q_len, at::Tensor out) {
   TORCH_CHECK(prefill_supported(query.size(2)), "paged_prefill: needs AVX512-BF16 and a head size of 64 or 128");
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
-  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
-              "paged_prefill: bfloat16 only");
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK((dtype == at::kBFloat16 || dtype == at::kFloat) && k_cache.scalar_type() == dtype &&
+                  v_cache.scalar_type() == dtype && out.scalar_type() == dtype,
+              "paged_prefill: bfloat16 or float32, one dtype for all");
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && out.sizes() == query.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(), "paged_prefill: contiguous tensors only");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
@@ -241,14 +305,10 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& k_cache, const at:
   TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(2) == 0, "head layout mismatch");
   TORCH_CHECK(query_start_loc.data_ptr<int32_t>()[num_seqs] <= query.size(0), "query_start_loc past the query");
 #ifdef PAGEDSERVE_BF16_PREFILL
-  const Problem P{query.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
-                  block_tables.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
-                  out.data_ptr<c10::BFloat16>(), query.size(1), k_cache.size(2), k_cache.size(1), block_tables.size(1),
-                  k_cache.size(0), static_cast<float>(scale)};
-  if (query.size(2) == 64)
-    run_all<64>(P, num_seqs, min_q_len);
+  if (dtype == at::kFloat)
+    run_typed<float>(query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, min_q_len, out);
   else
-    run_all<128>(P, num_seqs, min_q_len);
+    run_typed<c10::BFloat16>(query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, min_q_len, out);
 #endif
 }
 

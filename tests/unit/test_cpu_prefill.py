@@ -2,9 +2,10 @@
 
 The reference gathers each sequence's context and runs torch's SDPA in float32 with an explicit
 causal mask shifted by the cached prefix. Every cache slot that no sequence wrote holds NaN, so a
-read past a context shows up in the output; block tables are shuffled. The kernel rounds the
-softmax weights to bfloat16 before the values product and the output once, so it is held to a
-bfloat16 tolerance (an output near 3 has an ulp of 0.016).
+read past a context shows up in the output; block tables are shuffled. On a bfloat16 pool the
+kernel rounds the softmax weights to bfloat16 before the values product and the output once, so
+it is held to a bfloat16 tolerance (an output near 3 has an ulp of 0.016); on a float32 pool
+nothing is rounded, and it is held to float32's (1e-5).
 """
 
 from __future__ import annotations
@@ -29,14 +30,14 @@ def prefill():
     return torch.ops.pagedserve_cpu.paged_prefill
 
 
-def make_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, seed):
-    """seqs: [(q_len, context_len)]. A NaN bfloat16 pool with each context's K/V in shuffled blocks."""
+def make_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, seed, dtype=torch.bfloat16):
+    """seqs: [(q_len, context_len)]. A NaN pool with each context's K/V in shuffled blocks."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-ctx // block_size) for _, ctx in seqs]
     num_blocks = sum(blocks_per_seq) + 4
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, math.nan, dtype=torch.bfloat16)
-    v_cache = torch.full(shape, math.nan, dtype=torch.bfloat16)
+    k_cache = torch.full(shape, math.nan, dtype=dtype)
+    v_cache = torch.full(shape, math.nan, dtype=dtype)
     free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     block_tables = torch.zeros(len(seqs), max(blocks_per_seq) + 1, dtype=torch.int32)
     for s, ((_, ctx), nb) in enumerate(zip(seqs, blocks_per_seq)):
@@ -45,10 +46,10 @@ def make_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, seed):
         pos = torch.arange(ctx)
         slots = blocks[pos // block_size] * block_size + pos % block_size
         for cache in (k_cache, v_cache):
-            cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(ctx, num_kv_heads, head_dim, generator=gen).bfloat16()
+            cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(ctx, num_kv_heads, head_dim, generator=gen).to(dtype)
     q_lens = [q for q, _ in seqs]
     query_start_loc = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
-    query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).bfloat16()
+    query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
     context_lens = torch.tensor([ctx for _, ctx in seqs], dtype=torch.int32)
     return query, k_cache, v_cache, block_tables, query_start_loc, context_lens
 
@@ -74,25 +75,40 @@ def assert_bf16_close(out, expected):
     assert err.mean().item() <= 2e-3, err.mean().item()
 
 
+def assert_matches(out, expected):
+    """Within bfloat16 rounding for a bfloat16 output, float32's for a float32 one."""
+    if out.dtype == torch.bfloat16:
+        assert_bf16_close(out, expected)
+    else:
+        assert out.dtype == torch.float32 and not out.isnan().any()
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
 # lengths around the kernel's 64-key chunks and 16-row tiles, single-token rows, cached prefixes
 SEQS = [(1, 1), (5, 5), (63, 63), (64, 64), (65, 65), (17, 300), (1, 90), (100, 1100), (3, 64)]
 
 
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4), (8, 2)])
-def test_prefill_kernel_matches_float32_reference(prefill, block_size, head_dim, num_heads, num_kv_heads):
-    args = make_batch(SEQS, block_size, num_heads, num_kv_heads, head_dim, seed=block_size + head_dim + num_heads)
+def test_prefill_kernel_matches_float32_reference(prefill, dtype, block_size, head_dim, num_heads, num_kv_heads):
+    args = make_batch(SEQS, block_size, num_heads, num_kv_heads, head_dim, seed=block_size + head_dim + num_heads,
+                      dtype=dtype)
     out = torch.empty_like(args[0])
     prefill(*args, head_dim**-0.5, 1, out)
-    assert_bf16_close(out, reference(*args, head_dim**-0.5))
+    assert_matches(out, reference(*args, head_dim**-0.5))
 
 
-def test_one_long_prompt_matches(prefill):
-    args = make_batch([(2048, 2048)], 16, 9, 3, 64, seed=1)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_long_prompt_matches(prefill, dtype):
+    args = make_batch([(2048, 2048)], 16, 9, 3, 64, seed=1, dtype=dtype)
     out = torch.empty_like(args[0])
     prefill(*args, 0.125, 1, out)
-    assert_bf16_close(out, reference(*args, 0.125))
+    assert_matches(out, reference(*args, 0.125))
 
 
 def test_rows_below_min_q_len_are_left_alone(prefill):
@@ -103,29 +119,35 @@ def test_rows_below_min_q_len_are_left_alone(prefill):
     assert_bf16_close(out[1:10], reference(*args, 0.125)[1:10])
 
 
-def test_backend_routes_bfloat16_prefill_to_the_kernel(prefill, monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backend_routes_prefill_to_the_kernel(prefill, monkeypatch, dtype):
     """Mixed prefill batch (decode rows and a cached prefix inside): one kernel call serves every
-    multi-token row, the result agrees with the gather + SDPA path within bfloat16 rounding."""
-    args = make_batch([(7, 30), (1, 500), (40, 40), (1, 77)], 16, 6, 2, 64, seed=3)
+    multi-token row, the result agrees with the gather + SDPA path within the dtype's rounding."""
+    args = make_batch([(7, 30), (1, 500), (40, 40), (1, 77)], 16, 6, 2, 64, seed=3, dtype=dtype)
     calls = []
     real = torch_backend.prefill_kernel_for
     monkeypatch.setattr(torch_backend, "prefill_kernel_for",
                         lambda *a: calls.append(a[0].shape[0]) or real(*a))
     out = TorchAttentionBackend().paged_prefill(*args, 0.125)
     assert calls == [49]
-    assert_bf16_close(out, reference(*args, 0.125))
+    assert_matches(out, reference(*args, 0.125))
     monkeypatch.setenv(cpu_ops.ENV_SWITCH, "0")
     assert cpu_ops.prefill_kernel_for(args[0], args[1], args[2]) is None
-    assert_bf16_close(out, TorchAttentionBackend().paged_prefill(*args, 0.125).float())
+    assert_matches(out, TorchAttentionBackend().paged_prefill(*args, 0.125).float())
 
 
-def test_only_bfloat16_cpu_pools_take_the_kernel(prefill):
+def test_only_bfloat16_and_float32_cpu_pools_take_the_kernel(prefill):
     q, pool = torch.randn(4, 4, 64), torch.zeros(4, 16, 2, 64)
-    assert cpu_ops.prefill_kernel_for(q, pool, pool) is None  # float32 keeps the SDPA path
+    assert cpu_ops.prefill_kernel_for(q, pool, pool) is prefill
     assert cpu_ops.prefill_kernel_for(q.bfloat16(), pool.bfloat16(), pool.bfloat16()) is prefill
+    assert cpu_ops.prefill_kernel_for(q.half(), pool.half(), pool.half()) is None
+    assert cpu_ops.prefill_kernel_for(q, pool.bfloat16(), pool.bfloat16()) is None  # mixed dtypes
     half = pool.bfloat16()[:, :8]  # not contiguous
     assert cpu_ops.prefill_kernel_for(q.bfloat16(), half, half) is None
     assert not torch.ops.pagedserve_cpu.paged_prefill_supported(40)
+    with pytest.raises(RuntimeError, match="one dtype for all"):
+        prefill(q, pool.bfloat16(), pool.bfloat16(), torch.zeros(1, 1, dtype=torch.int32),
+                torch.tensor([0, 4], dtype=torch.int32), torch.tensor([4], dtype=torch.int32), 0.125, 1, torch.empty_like(q))
 
 
 def test_bad_metadata_raises_instead_of_reading_outside_the_pool(prefill):
