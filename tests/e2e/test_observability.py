@@ -120,12 +120,19 @@ def test_summing_every_endpoint_gives_the_exact_totals(two_gateways):
     present = {name.split("{")[0] for name in totals}
     assert [n for n in GATEWAY_NAMES + ENGINE_NAMES if n not in present and f"{n}_count" not in present] == []
 
-    bus = httpx.get(stack.base_url + "/metrics/bus").text
-    families = {f.name: f for f in text_string_to_metric_families(bus)}
+    # message totals come from the replicas' heartbeats (one a second): wait for the beat that
+    # follows the last message, a few beats at most
+    deadline = time.monotonic() + 5.0
+    while True:
+        bus = httpx.get(stack.base_url + "/metrics/bus").text
+        families = {f.name: f for f in text_string_to_metric_families(bus)}
+        messages = {s.labels["service_id"]: s.value for s in families["pagedserve:bus_messages"].samples
+                    if s.name.endswith("_total")}
+        if (messages.get("tokenizer-0"), messages.get("engine-0")) == (6, 5) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     pending = {(s.labels["stream"], s.labels["group"]): s.value for s in families["pagedserve:bus_group_pending"].samples}
     assert pending[(stack.names.engine_in, "engine")] == 0 and pending[(stack.names.tokenizer_in, "tokenizer")] == 0
-    messages = {s.labels["service_id"]: s.value for s in families["pagedserve:bus_messages"].samples
-                if s.name.endswith("_total")}
     assert messages["tokenizer-0"] == 6 and messages["engine-0"] == 5  # the refused one never reached an engine
 
 
