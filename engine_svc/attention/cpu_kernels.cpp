@@ -8,6 +8,11 @@
 //   pass 2  softmax over p (max, exp, sum) in the per-thread score buffer
 //   pass 3  out[h] = sum_p w[h][p] * V[...same slot...]
 //
+// On a CPU with AVX-512 (and BF16), bfloat16 and float32 pools with a head size of 64 or 128 take
+// explicit vector code (decode_item_bf16, decode_item_f32): each chunk of rows is copied out of the
+// pool first, 16 keys are scored together and the GQA group's value accumulators stay in registers.
+// The float32 one reads 1.4-1.7x faster than the generic loops below (256 sequences of 140 tokens:
+// ~32 against ~19 GB/s here); decode attention at large batches is bound by those reads.
 // Slots at positions >= context_len are never touched, so garbage (even NaN) there cannot leak.
 // The inner loops are written so that g++ -O3 vectorises them without -ffast-math: fixed-width
 // lane accumulators instead of a float reduction, and a branch-free polynomial exp.
@@ -102,10 +107,10 @@ struct Scratch {
   std::vector<float> scores, q, acc, inv_sum, block;
   std::vector<int64_t> rows;      // bfloat16 path: the pool offset of each context position's row
   std::vector<uint16_t> weights;  // bfloat16 path: the softmax numerators in bfloat16, [heads][even ctx + 32]
-  std::unique_ptr<c10::BFloat16[]> gathered;  // bfloat16 path: kGatherRows rows of K or V out of the pool
+  std::unique_ptr<float[]> gathered;  // AVX-512 paths: kGatherRows rows of K or V out of the pool (bf16 uses half)
   Scratch(int64_t heads, int64_t max_ctx, int64_t dim, int64_t block_size, int64_t row_elems)
       : scores(heads * max_ctx), q(heads * dim), acc(heads * dim), inv_sum(heads), block(block_size * heads * dim),
-        rows(max_ctx), weights(heads * (max_ctx + 34)), gathered(new c10::BFloat16[kGatherRows * row_elems]) {}
+        rows(max_ctx), weights(heads * (max_ctx + 34)), gathered(new float[kGatherRows * row_elems]) {}
 };
 
 // One work item: kv heads [kv_begin, kv_end) of one sequence, i.e. query heads
@@ -273,9 +278,10 @@ inline float softmax16(float* sc, int64_t ctx) {
 // The rows of positions [from, to) of one item (row_bytes of each slot, from its kv head on), copied
 // into a contiguous buffer: a copy streams memory ~2x faster here than the compute loops' own loads
 // (measured: random 6 KB blocks at 17 GB/s per core against ~8), and the loops then read L2.
-inline void gather_rows(const c10::BFloat16* cache, const int64_t* rows, int64_t from, int64_t to, int64_t row_elems,
-                        bool contiguous_runs, int64_t block_size, c10::BFloat16* dst) {
-  const size_t row_bytes = row_elems * sizeof(c10::BFloat16);
+template <typename T>
+inline void gather_rows(const T* cache, const int64_t* rows, int64_t from, int64_t to, int64_t row_elems,
+                        bool contiguous_runs, int64_t block_size, T* dst) {
+  const size_t row_bytes = row_elems * sizeof(T);
   for (int64_t p = from; p < to;) {
     // whole-slot rows of one block lie next to each other: one copy per block
     const int64_t run = contiguous_runs ? std::min(to - p, block_size - p % block_size) : 1;
@@ -304,7 +310,7 @@ void decode_item_bf16(const c10::BFloat16* query, const c10::BFloat16* k_cache, 
     const int64_t base = int64_t(block_table[b]) * s.block_size * row_stride + kv_begin * dim;
     for (int64_t i = 0; i < std::min(s.block_size, ctx - start); ++i) rows[start + i] = base + i * row_stride;
   }
-  c10::BFloat16* chunk = buf.gathered.get();
+  c10::BFloat16* chunk = reinterpret_cast<c10::BFloat16*>(buf.gathered.get());
   const __m512 scale16 = _mm512_set1_ps(scale);
   for (int64_t c0 = 0; c0 < ctx; c0 += kGatherRows) {
     const int64_t c1 = std::min(ctx, c0 + kGatherRows);
@@ -372,6 +378,89 @@ void decode_item_bf16(const c10::BFloat16* query, const c10::BFloat16* k_cache, 
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t d = 0; d < dim; ++d) dst[h * dim + d] = static_cast<c10::BFloat16>(acc[h * dim + d] * inv_sum[h]);
 }
+// float32 pool (dim % 16 == 0): the same chunks and passes as decode_item_bf16 with FMAs. Scores
+// take kDim / 16 FMAs per key, 16 keys reduced together; values broadcast each weight against
+// the V row shared by its GQA group, accumulators in registers. Nothing is rounded below float32.
+template <int kDim, int kGroup>
+void values_f32(const float* w, int64_t w_stride, const float* v_rows, int64_t v_stride, int64_t n, float* acc) {
+  constexpr int kChunks = kDim / 16;
+  __m512 a[kGroup][kChunks];
+  for (int g = 0; g < kGroup; ++g)
+    for (int c = 0; c < kChunks; ++c) a[g][c] = _mm512_loadu_ps(acc + g * kDim + 16 * c);
+  for (int64_t p = 0; p < n; ++p) {
+    const float* row = v_rows + p * v_stride;
+    __m512 wp[kGroup];
+    for (int g = 0; g < kGroup; ++g) wp[g] = _mm512_set1_ps(w[g * w_stride + p]);
+    for (int c = 0; c < kChunks; ++c) {
+      const __m512 v = _mm512_loadu_ps(row + 16 * c);
+      for (int g = 0; g < kGroup; ++g) a[g][c] = _mm512_fmadd_ps(wp[g], v, a[g][c]);
+    }
+  }
+  for (int g = 0; g < kGroup; ++g)
+    for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc + g * kDim + 16 * c, a[g][c]);
+}
+
+template <int kDim>
+void decode_item_f32(const float* query, const float* k_cache, const float* v_cache, const int32_t* block_table,
+                     int64_t ctx, const Shape& s, float scale, int64_t seq, int64_t kv_begin, int64_t kv_end,
+                     Scratch& buf, float* out) {
+  static_assert(kDim % 16 == 0 && kDim > 0, "a compile-time head size, whole vectors");
+  const int64_t group = s.num_heads / s.num_kv_heads;
+  const int64_t num_kv = kv_end - kv_begin, heads = num_kv * group, row_stride = s.num_kv_heads * kDim;
+  const int64_t row_elems = num_kv * kDim;
+  const bool whole_slots = row_elems == row_stride;
+  float *acc = buf.acc.data(), *scores = buf.scores.data(), *inv_sum = buf.inv_sum.data();
+  const float* q = query + (seq * s.num_heads + kv_begin * group) * kDim;
+  int64_t* rows = buf.rows.data();
+  for (int64_t start = 0, b = 0; start < ctx; start += s.block_size, ++b) {
+    TORCH_CHECK(block_table[b] >= 0 && block_table[b] < s.num_blocks, "paged_decode: block id out of range");
+    const int64_t base = int64_t(block_table[b]) * s.block_size * row_stride + kv_begin * kDim;
+    for (int64_t i = 0; i < std::min(s.block_size, ctx - start); ++i) rows[start + i] = base + i * row_stride;
+  }
+  float* chunk = buf.gathered.get();
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  for (int64_t c0 = 0; c0 < ctx; c0 += kGatherRows) {
+    const int64_t c1 = std::min(ctx, c0 + kGatherRows);
+    gather_rows(k_cache, rows, c0, c1, row_elems, whole_slots, s.block_size, chunk);
+    for (int64_t k0 = c0; k0 < c1; k0 += 16) {
+      const int n = int(std::min<int64_t>(16, c1 - k0));
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* qh = q + h * kDim;
+        const float* keys = chunk + (k0 - c0) * row_elems + h / group * kDim;
+        __m512 v[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) {  // a short last group repeats its last key (not stored)
+          const float* key = keys + std::min(i, n - 1) * row_elems;
+          v[i] = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(key));
+#pragma GCC unroll 8
+          for (int d = 16; d < kDim; d += 16) v[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + d), _mm512_loadu_ps(key + d), v[i]);
+        }
+        _mm512_mask_storeu_ps(scores + h * ctx + k0, __mmask16((1u << n) - 1), _mm512_mul_ps(lane_sums16(v), scale16));
+      }
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) inv_sum[h] = softmax16(scores + h * ctx, ctx);
+  std::fill(acc, acc + heads * kDim, 0.f);
+  for (int64_t c0 = 0; c0 < ctx; c0 += kGatherRows) {
+    const int64_t c1 = std::min(ctx, c0 + kGatherRows), n = c1 - c0;
+    gather_rows(v_cache, rows, c0, c1, row_elems, whole_slots, s.block_size, chunk);
+    for (int64_t kv = 0; kv < num_kv; ++kv) {
+      const float* w = scores + kv * group * ctx + c0;
+      float* a = acc + kv * group * kDim;
+      const float* v_rows = chunk + kv * kDim;
+      // accumulators in registers for up to 24 vectors of them (the common GQA groups); else one head at a time
+      if (group == 1) values_f32<kDim, 1>(w, ctx, v_rows, row_elems, n, a);
+      else if (group == 2) values_f32<kDim, 2>(w, ctx, v_rows, row_elems, n, a);
+      else if (group == 3 && kDim <= 128) values_f32<kDim <= 128 ? kDim : 16, 3>(w, ctx, v_rows, row_elems, n, a);
+      else if (group == 4 && kDim <= 64) values_f32<kDim <= 64 ? kDim : 16, 4>(w, ctx, v_rows, row_elems, n, a);
+      else
+        for (int64_t g = 0; g < group; ++g) values_f32<kDim, 1>(w + g * ctx, ctx, v_rows, row_elems, n, a + g * kDim);
+    }
+  }
+  float* dst = out + (seq * s.num_heads + kv_begin * group) * kDim;
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t d = 0; d < kDim; ++d) dst[h * kDim + d] = acc[h * kDim + d] * inv_sum[h];
+}
 #endif
 
 template <typename T, int kDim>
@@ -395,6 +484,11 @@ void decode_all(const at::Tensor& query, const at::Tensor& k_cache, const at::Te
       const int64_t ctx = std::min<int64_t>(lens[seq], max_ctx);  // never past the block table
       TORCH_CHECK(ctx >= 1, "paged_decode: context_lens must be >= 1");
 #ifdef PAGEDSERVE_BF16_DOT
+      if constexpr (std::is_same_v<T, float> && kDim > 0) {
+        decode_item_f32<kDim>(q, k, v, tables + seq * s.max_blocks, ctx, s, static_cast<float>(scale), seq, kv_begin,
+                              kv_begin + kv_per_item, buf, o);
+        continue;
+      }
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         if (s.head_dim % 32 == 0) {
           decode_item_bf16<kDim>(q, k, v, tables + seq * s.max_blocks, ctx, s, static_cast<float>(scale), seq,

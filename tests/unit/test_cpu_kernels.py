@@ -114,6 +114,23 @@ def test_bfloat16_pool_in_place_every_gqa_layout(kernel, num_heads, num_kv_heads
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (12, 3, 128),
+                                                           (8, 2, 64), (16, 4, 128), (12, 3, 96)])
+@pytest.mark.parametrize("batch", ["small", "large"])
+def test_float32_pool_every_gqa_layout_matches_torch(kernel, monkeypatch, num_heads, num_kv_heads, head_dim, batch):
+    """The float32 path (AVX-512 FMAs: register accumulators for GQA groups of 1-4 up to 24 vectors,
+    one head at a time beyond; a runtime head size through the generic loops) against the torch
+    reference at float32's level, over chunk edges (256 positions) and both work splits."""
+    lens = [1, 15, 16, 17, 160, 1100]
+    if batch == "large":
+        lens = lens + [255, 256, 257, 511, 513, 2, 33, 700] + torch.randint(
+            1, 600, (10,), generator=torch.Generator().manual_seed(head_dim)).tolist()
+    k_cache, v_cache, block_tables = make_pool(lens, 16, num_kv_heads, head_dim, seed=num_heads)
+    args = (torch.randn(len(lens), num_heads, head_dim), k_cache, v_cache, block_tables,
+            torch.tensor(lens, dtype=torch.int32), head_dim**-0.5)
+    torch.testing.assert_close(kernel(*args), reference_decode(monkeypatch, *args), rtol=1e-5, atol=1e-6)
+
+
 def test_prefill_decode_rows_use_the_kernel_and_match(kernel, monkeypatch):
     lens, q_lens = [30, 500, 9, 77], [7, 1, 9, 1]  # rows 1 and 3 are decode rows inside a prefill batch
     k_cache, v_cache, block_tables = make_pool(lens, 16, 2, 64, seed=3)
