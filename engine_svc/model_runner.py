@@ -130,11 +130,12 @@ class ModelRunner:
             self.backend.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
 
     def execute(self, plan: SchedulerOutput) -> torch.Tensor:
-        """Block copies, then one forward over every chunk; float32 logits [num sampled chunks, vocab]."""
+        """Block copies, then one forward over every chunk; logits [num sampled chunks, vocab] in the
+        model's dtype (the sampler widens them to float32 where it needs more than an argmax)."""
         if plan.block_copies:
             self.copy_blocks(plan.block_copies)
         if not plan.chunks:
-            return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
+            return torch.empty((0, self.vocab_size), dtype=self.dtype, device=self.device)
         inputs = self.prepare(plan.chunks)
         self.attention.meta = inputs.meta
         forward = self.compiled or self.model

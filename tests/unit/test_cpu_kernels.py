@@ -283,13 +283,15 @@ def test_token_bitmask_matches_a_torch_reference(kernel, dtype, vocab):
     assert torch.equal(out, expected)
 
 
-def test_argmax_rows_answers_as_torch_argmax(kernel):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_answers_as_torch_argmax(kernel, dtype):
     """Greedy sampling's argmax (cpu_sampling.cpp): the first maximal index, a NaN row's first NaN,
-    an all -inf row's 0, rows of every length around the 16-lane width."""
+    an all -inf row's 0, rows of every length around the 16-lane width; bfloat16 rows (many ties)
+    as their float32 copy answers."""
     op = cpu_ops.argmax_op()
     gen = torch.Generator().manual_seed(3)
     for vocab in (1, 15, 16, 17, 100, 49152):
-        logits = torch.randn(37, vocab, generator=gen)
+        logits = torch.randn(37, vocab, generator=gen).to(dtype)
         logits[1] = -math.inf
         logits[2, vocab // 2] = math.nan
         logits[3, -1] = math.nan
@@ -299,5 +301,5 @@ def test_argmax_rows_answers_as_torch_argmax(kernel):
             logits[6] = 0.0  # all equal
         got = op(logits)
         assert got.dtype == torch.int64
-        assert torch.equal(got, logits.argmax(dim=-1)), vocab
-    assert torch.equal(op(logits[:, ::2]), logits[:, ::2].argmax(dim=-1))  # a strided view
+        assert torch.equal(got, logits.float().argmax(dim=-1)), vocab
+    assert torch.equal(op(logits[:, ::2]), logits[:, ::2].float().argmax(dim=-1))  # a strided view

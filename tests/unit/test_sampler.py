@@ -113,3 +113,20 @@ def test_a_mixed_batch_greedy_rows_take_the_argmax_and_seeded_rows_draw_as_alone
     assert out[1] == alone
     only_sampled = sample(logits[1:2].repeat(2, 1), make_requests([seeded, seeded])).token_ids
     assert only_sampled == [alone, alone]  # no greedy row: no argmax taken, the draws as before
+
+
+def test_bfloat16_logits_plain_greedy_as_they_are_and_everything_else_in_float32():
+    """A bfloat16 model's logits: plain greedy rows take their argmax without a float32 copy (same
+    answers, ties included); a row with logprobs, a penalty or a temperature makes the whole batch
+    widen first, so it samples and reports exactly as from float32 logits."""
+    torch.manual_seed(7)
+    logits = (torch.randn(6, VOCAB) * 3).bfloat16()
+    logits[0, 5] = logits[0, 9] = logits[0].max()  # a tie: the first wins
+    plain = make_requests([SamplingParams(temperature=0.0)] * 6)
+    assert sample(logits, plain).token_ids == logits.float().argmax(-1).tolist()
+    mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=2),
+             SamplingParams(temperature=0.0, repetition_penalty=1.3), SamplingParams(temperature=0.8, seed=3),
+             SamplingParams(temperature=0.0, logit_bias={1: 5.0}), SamplingParams(temperature=0.0)]
+    got, want = sample(logits, make_requests(mixed)), sample(logits.float(), make_requests(mixed))
+    assert got.token_ids == want.token_ids
+    assert got.logprobs[1] == want.logprobs[1] and got.logprobs[1] is not None
