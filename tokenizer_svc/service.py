@@ -5,6 +5,7 @@ Redis faults: the reader backs off on its own; a batch whose output Redis did no
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 
@@ -99,4 +100,5 @@ class TokenizerService:
 def main(config: TokenizerConfig) -> None:
     configure_logging("tokenizer", config.telemetry)
     service = TokenizerService.from_config(config)
+    gc.freeze()  # the tokenizer and its chat templates live as long as the process: out of every full collection
     run_until_signalled(service, service.encoder.tracing)
