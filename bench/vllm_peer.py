@@ -82,6 +82,8 @@ class PeerServer(Server):
     """stack.Server stopped the way both servers shut down on Ctrl-C: SIGINT to its process group,
     then SIGKILL of whatever of the group is left (vLLM's engine core, pagedserve's services)."""
 
+    engine_metrics_url: str | None = None  # pagedserve: its engine's Prometheus /metrics
+
     def stop(self, grace_s: float = 30.0) -> None:
         if self.proc is None:
             return
@@ -124,12 +126,39 @@ def _preload(bin_dir: Path) -> dict:
 
 
 def pagedserve_server(model: Path, port: int, dtype: str, args: argparse.Namespace) -> PeerServer:
+    metrics_port = free_port()
     argv = [str(Path(sys.executable).with_name("pagedserve")), "serve", "--model", str(model),
             "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
             "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", f"{args.kv_cache_gib}G",
-            *_dtype_flag(dtype), *shlex.split(args.pagedserve_args)]
+            "--metrics-port", str(metrics_port), *_dtype_flag(dtype), *shlex.split(args.pagedserve_args)]
     env = {"HF_HUB_OFFLINE": "1"}
-    return PeerServer("pagedserve", argv, f"http://127.0.0.1:{port}/health", RUN_DIR / f"pagedserve-{dtype}.log", env)
+    server = PeerServer("pagedserve", argv, f"http://127.0.0.1:{port}/health", RUN_DIR / f"pagedserve-{dtype}.log", env)
+    server.engine_metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    return server
+
+
+def decode_step_totals(url: str | None) -> tuple[float, float] | None:
+    """(sum, count) of the serving engine's `decode_step_seconds` histogram, or None (not pagedserve,
+    or not reachable): read before and after a level, their difference gives the mean decode step the
+    engine itself measured while the client ran."""
+    if url is None:
+        return None
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return None
+    totals = {"sum": 0.0, "count": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for key in totals:
+                if sample.name == f"pagedserve:decode_step_seconds_{key}":
+                    totals[key] += sample.value
+    return totals["sum"], totals["count"]
 
 
 def _dtype_flag(dtype: str) -> list[str]:
@@ -184,7 +213,11 @@ def measure_server(server: PeerServer, bin_dir: Path, model: Path, port: int, la
             n = prompts_for(c, args)
             say(f"[{label}] concurrency {c}: {n} prompts x {args.output_len} output tokens ...")
             t1 = time.perf_counter()
+            before = decode_step_totals(server.engine_metrics_url)
             row = figures[str(c)] = run_client(bin_dir, model, port, c, n, label, args)
+            after = decode_step_totals(server.engine_metrics_url)
+            if before is not None and after is not None and after[1] > before[1]:
+                row["engine_decode_step_ms"] = round((after[0] - before[0]) / (after[1] - before[1]) * 1e3, 3)
             say(f"[{label}] concurrency {c}: {row['output_throughput']:.1f} tok/s, median TPOT "
                 f"{row['median_tpot_ms']:.1f} ms, failed {row['failed']} ({time.perf_counter() - t1:.0f} s)")
     figures["dtype_seen"] = logged_dtype(server.log_path)

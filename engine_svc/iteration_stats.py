@@ -47,6 +47,9 @@ class IterationStats:
       was sampled), once per request (an n > 1 request's children share its prompt).
     - ``num_generation_tokens``: every token sampled for a sequence still running when sampled.
     - ``step_tokens``: tokens computed by each step (one entry per step that ran the model).
+    - ``decode_step_seconds``: the duration (scheduled to sampled) of each step that only decoded
+      (every chunk one token of a sequence past its first token): what serving adds per token is
+      the clients' time per output token minus these.
     - ``num_preemptions``: sequences preempted (by recompute).
     - ``admitted``: (n, max_tokens) of each request added.
     - ``finished``: each sequence that finished, whatever the reason.
@@ -58,6 +61,7 @@ class IterationStats:
     num_generation_tokens: int = 0
     num_preemptions: int = 0
     step_tokens: list[int] = field(default_factory=list)
+    decode_step_seconds: list[float] = field(default_factory=list)
     admitted: list[tuple[int, int]] = field(default_factory=list)
     finished: list[FinishedSequence] = field(default_factory=list)
     num_expired: dict[str, int] = field(default_factory=dict)

@@ -17,6 +17,8 @@ from shared.telemetry import N_BUCKETS, REQUEST_LATENCY_BUCKETS, TOKEN_BUCKETS, 
 
 log = logging.getLogger(__name__)
 STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+DECODE_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+                       1.0, 2.5)
 EXPIRY_PHASES = ("admission", "waiting", "running")  # where a request past its deadline was dropped
 
 
@@ -39,6 +41,8 @@ class EngineMetrics:
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step",
                                           STEP_TOKEN_BUCKETS)
+        self.decode_step_time = histogram("decode_step_seconds", "Duration of each engine step that only decoded "
+                                          "(scheduled to sampled)", DECODE_STEP_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Queued at the engine to first scheduled",
                                     REQUEST_LATENCY_BUCKETS)
         self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token",
@@ -101,6 +105,8 @@ class EngineMetrics:
         self._record_kv(engine_stats)
         for num_tokens in stats.step_tokens:
             self.iteration_tokens.observe(num_tokens)
+        for seconds in stats.decode_step_seconds:
+            self.decode_step_time.observe(seconds)
         for n, max_tokens in stats.admitted:
             self.params_n.observe(n)
             self.params_max_tokens.observe(max_tokens)

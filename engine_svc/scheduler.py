@@ -292,6 +292,9 @@ class Scheduler:
     def update(self, plan: SchedulerOutput, sampled: SamplerOutput) -> list[TokenDelta]:
         """Advance the sequences by what the step computed and sampled; report new tokens."""
         now = self.clock()
+        if plan.chunks and all(len(c.token_ids) == 1 and r.first_token_time is not None
+                               for r, c in zip(self._scheduled, plan.chunks)):
+            self.stats.decode_step_seconds.append(now - self._step_start)
         for request, chunk in zip(self._scheduled, plan.chunks):
             request.num_computed_tokens += len(chunk.token_ids)
             note_chunk(request, len(chunk.token_ids), self._step_start, now, self.record_decode_steps)

@@ -18,7 +18,7 @@ ENGINE_NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_
                 "prefix_cache_hits_total", "iteration_tokens_total", "request_queue_time_seconds",
                 "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
                 "request_prompt_tokens", "request_generation_tokens", "request_params_n",
-                "request_params_max_tokens")
+                "request_params_max_tokens", "decode_step_seconds")
 
 
 class CountingRunner:
@@ -28,6 +28,7 @@ class CountingRunner:
         self.runner = runner
         self.num_steps = 0
         self.num_tokens = 0
+        self.num_decode_steps = 0  # every chunk one token (prompts here are never chunked that fine)
 
     def __getattr__(self, name):
         return getattr(self.runner, name)
@@ -35,6 +36,7 @@ class CountingRunner:
     def execute(self, plan):
         self.num_steps += 1
         self.num_tokens += sum(len(c.token_ids) for c in plan.chunks)
+        self.num_decode_steps += bool(plan.chunks) and all(len(c.token_ids) == 1 for c in plan.chunks)
         return self.runner.execute(plan)
 
 
@@ -100,6 +102,8 @@ def test_counters_and_histograms_are_exact_after_a_known_workload(engine):
     runner = engine.runner
     assert s["iteration_tokens_total_count"] == runner.num_steps
     assert s["iteration_tokens_total_sum"] == runner.num_tokens
+    assert 0 < s["decode_step_seconds_count"] == runner.num_decode_steps < runner.num_steps
+    assert 0 < s["decode_step_seconds_sum"] < 60
     for name in ("queue_time_seconds", "prefill_time_seconds", "decode_time_seconds", "inference_time_seconds",
                  "prompt_tokens", "generation_tokens"):
         assert s[f"request_{name}_count"] == 5, name  # a, b, x, y, c: every sequence with a first token
