@@ -30,7 +30,7 @@ from shared.protocol import RequestOutput
 log = logging.getLogger(__name__)
 
 RAW_SEND = "pagedserve.raw_send"  # scope key: the server's own send, before any middleware wraps it
-SUPPORTED_UVICORN = ((0, 30), (0, 55))  # [from, to): the pyproject floor up to the last version checked
+SUPPORTED_UVICORN = ((0, 30), (0, 56))  # [from, to): the pyproject floor up to the last version checked (0.55)
 _HTTPTOOLS = "uvicorn.protocols.http.httptools_impl"
 
 
