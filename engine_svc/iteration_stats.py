@@ -68,10 +68,16 @@ class IterationStats:
 
 
 # The scheduler's notes, made where the events happen (on Request fields the stats read later).
+def is_decode(request, num_tokens: int) -> bool:
+    """A chunk of ``num_tokens`` for ``request`` is a decode step (one token past its first), not a
+    prompt chunk or a recompute."""
+    return num_tokens == 1 and request.first_token_time is not None
+
+
 def note_chunk(request, num_tokens: int, step_start: float, now: float, record_decode_steps: bool) -> None:
     """A chunk of ``request`` ran from ``step_start`` to ``now``: a prompt chunk (or a recompute)
     is kept; a decode step only when every step is recorded (--collect-detailed-traces)."""
-    if num_tokens > 1 or request.first_token_time is None:
+    if not is_decode(request, num_tokens):
         request.prefill_chunks.append((step_start, now, num_tokens))
     elif record_decode_steps:
         request.decode_steps.append((step_start, now))

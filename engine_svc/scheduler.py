@@ -12,7 +12,7 @@ from engine_svc.beam_search import BeamGroup, BeamSearch
 from engine_svc.block_manager import BlockManager
 from engine_svc.config import EngineConfig
 from engine_svc.deltas import beam_deltas, check_stop, final_delta, make_delta
-from engine_svc.iteration_stats import IterationStats, finished_record, note_chunk, note_token
+from engine_svc.iteration_stats import IterationStats, finished_record, is_decode, note_chunk, note_token
 from engine_svc.request import Request, RequestStatus, make_generator
 from engine_svc.scheduler_output import SampleRow, ScheduledChunk, SamplerOutput, SchedulerOutput, SeqKey
 from shared.protocol import ErrorInfo, FinishReason, ProtocolError, TokenDelta, is_expired
@@ -292,8 +292,7 @@ class Scheduler:
     def update(self, plan: SchedulerOutput, sampled: SamplerOutput) -> list[TokenDelta]:
         """Advance the sequences by what the step computed and sampled; report new tokens."""
         now = self.clock()
-        if plan.chunks and all(len(c.token_ids) == 1 and r.first_token_time is not None
-                               for r, c in zip(self._scheduled, plan.chunks)):
+        if plan.chunks and all(is_decode(r, len(c.token_ids)) for r, c in zip(self._scheduled, plan.chunks)):
             self.stats.decode_step_seconds.append(now - self._step_start)
         for request, chunk in zip(self._scheduled, plan.chunks):
             request.num_computed_tokens += len(chunk.token_ids)
