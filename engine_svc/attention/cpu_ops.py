@@ -1,6 +1,9 @@
 """Builds and loads the C++ CPU kernels on first use: cpu_kernels.cpp (paged decode attention),
 the KV write, cpu_prefill.cpp (paged prefill attention, bfloat16 and float32), cpu_gemv.cpp (the small-batch linear layer),
-cpu_bitmask.cpp (structured outputs' logits mask) and cpu_sampling.cpp (greedy sampling's argmax).
+cpu_bitmask.cpp (structured outputs' logits mask) and cpu_sampling.cpp (greedy sampling's argmax);
+on a CPU with AMX-BF16, cpu_amx.cpp (the linear layer for up to 64 rows) and cpu_amx_prefill.cpp
+(bfloat16 prefill attention) on the tile units, chosen at run time inside the ops (the AVX512-BF16
+build compiles them; ``amx_available`` says whether this CPU and kernel grant the tiles).
 
 One shared library is compiled with g++ straight against torch's headers and libraries (no
 ninja, no pybind: the ops are registered with TORCH_LIBRARY and called as
@@ -35,8 +38,9 @@ from engine_svc import cpu_info
 logger = logging.getLogger("pagedserve.attention")
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_kernels.cpp", "cpu_prefill.cpp", "cpu_gemv.cpp", "cpu_bitmask.cpp", "cpu_sampling.cpp")]
-HEADERS = [Path(__file__).with_name("cpu_simd.h")]  # included by the sources: part of the cache key too
+           for name in ("cpu_kernels.cpp", "cpu_prefill.cpp", "cpu_gemv.cpp", "cpu_bitmask.cpp", "cpu_sampling.cpp",
+                        "cpu_amx.cpp", "cpu_amx_prefill.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_amx.h")]  # included by the sources: part of the cache key too
 BASE_FLAGS = ["-std=c++17", "-O3", "-fPIC", "-shared", "-fopenmp", "-fno-trapping-math", "-Wno-unused-parameter"]
 ENV_SWITCH = "PAGEDSERVE_CPU_KERNELS"
 PREBUILT_ENV = "PAGEDSERVE_CPU_KERNELS_DIR"

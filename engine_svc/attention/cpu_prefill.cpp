@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -39,6 +40,7 @@
 #define PAGEDSERVE_BF16_PREFILL 1
 #endif
 
+#include "cpu_amx.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -238,11 +240,6 @@ void run_all(const Problem<T>& P, int64_t num_seqs, int64_t min_q_len) {
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = P.starts[s + 1] - P.starts[s], ctx = P.lens[s];
     if (q_len < min_q_len || q_len == 0) continue;
-    TORCH_CHECK(q_len <= ctx && ctx <= P.max_blocks * P.block_size, "paged_prefill: bad lengths for sequence ", s);
-    for (int64_t b = 0; b < (ctx + P.block_size - 1) / P.block_size; ++b) {  // an exception must not leave a thread
-      const int32_t block = P.tables[s * P.max_blocks + b];
-      TORCH_CHECK(block >= 0 && block < P.num_blocks, "paged_prefill: block id out of range");
-    }
     for (int64_t h = 0; h < P.num_kv_heads; ++h)
       for (int64_t row = 0; row < q_len * group; row += kRows) {
         const int64_t last = std::min(q_len * group, row + kRows) - 1;
@@ -274,6 +271,22 @@ void run_typed(const at::Tensor& query, const at::Tensor& k_cache, const at::Ten
 }
 #endif
 
+// Every sequence the kernels will read: lengths in range, every block id of its context in the pool
+// (checked here, outside the parallel regions: an exception must not leave a thread).
+void check_sequences(const int32_t* tables, const int32_t* starts, const int32_t* lens, int64_t num_seqs,
+                     int64_t max_blocks, int64_t block_size, int64_t num_blocks, int64_t min_q_len) {
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = starts[s + 1] - starts[s], ctx = lens[s];
+    TORCH_CHECK(q_len >= 0, "paged_prefill: query_start_loc decreases at sequence ", s);
+    if (q_len < min_q_len || q_len == 0) continue;
+    TORCH_CHECK(q_len <= ctx && ctx <= max_blocks * block_size, "paged_prefill: bad lengths for sequence ", s);
+    for (int64_t b = 0; b < (ctx + block_size - 1) / block_size; ++b) {
+      const int32_t block = tables[s * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_prefill: block id out of range");
+    }
+  }
+}
+
 bool prefill_supported(int64_t head_dim) {
 #ifdef PAGEDSERVE_BF16_PREFILL
   return head_dim == 64 || head_dim == 128;
@@ -285,9 +298,11 @@ bool prefill_supported(int64_t head_dim) {
 // query [T, H, D]; k/v_cache [num_blocks, block_size, Hkv, D], all bf16 or all float32; block_tables [S, max_blocks],
 // query_start_loc [S + 1], context_lens [S] int32. Rows of sequences with q_len < min_q_len are left
 // as they are in `out` (the caller serves them, e.g. with the decode kernel).
-void paged_prefill(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                   const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-                   double scale, int64_t min_q_len, at::Tensor out) {
+enum class Kernel { kAuto, kVector, kAmx };
+
+void run(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+         const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale, int64_t min_q_len,
+         at::Tensor& out, Kernel kernel) {
   TORCH_CHECK(prefill_supported(query.size(2)), "paged_prefill: needs AVX512-BF16 and a head size of 64 or 128");
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
   const auto dtype = query.scalar_type();
@@ -304,6 +319,19 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& k_cache, const at:
   TORCH_CHECK(block_tables.size(0) == num_seqs && query_start_loc.numel() == num_seqs + 1, "one table per sequence");
   TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(2) == 0, "head layout mismatch");
   TORCH_CHECK(query_start_loc.data_ptr<int32_t>()[num_seqs] <= query.size(0), "query_start_loc past the query");
+  const int32_t *tables = block_tables.data_ptr<int32_t>(), *starts = query_start_loc.data_ptr<int32_t>(),
+                *lens = context_lens.data_ptr<int32_t>();
+  TORCH_CHECK(starts[0] >= 0, "paged_prefill: query_start_loc must start at 0 or later");
+  check_sequences(tables, starts, lens, num_seqs, block_tables.size(1), k_cache.size(1), k_cache.size(0), min_q_len);
+  const bool amx = dtype == at::kBFloat16 && pagedserve::amx::prefill_supported(query.size(2));
+  TORCH_CHECK(amx || kernel != Kernel::kAmx, "paged_prefill_amx: needs AMX-BF16, a bfloat16 pool and a head size of 64 or 128");
+  if (amx && kernel != Kernel::kVector) {
+    pagedserve::amx::paged_prefill({query.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(),
+                                    v_cache.data_ptr<c10::BFloat16>(), tables, starts, lens, out.data_ptr<c10::BFloat16>(),
+                                    num_seqs, query.size(1), k_cache.size(2), query.size(2), k_cache.size(1),
+                                    block_tables.size(1), static_cast<float>(scale), min_q_len});
+    return;
+  }
 #ifdef PAGEDSERVE_BF16_PREFILL
   if (dtype == at::kFloat)
     run_typed<float>(query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, min_q_len, out);
@@ -312,12 +340,27 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& k_cache, const at:
 #endif
 }
 
+// paged_prefill takes the AMX kernel where it can (a bfloat16 pool on a CPU with AMX), else the vector
+// one; paged_prefill_vector and paged_prefill_amx name one kernel each (tests, benchmarks).
+template <Kernel K>
+void paged_prefill(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                   double scale, int64_t min_q_len, at::Tensor out) {
+  run(query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, min_q_len, out, K);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
-  m.def("paged_prefill(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
-        "Tensor context_lens, float scale, int min_q_len, Tensor(a!) out) -> ()");
+  for (const char* name : {"paged_prefill", "paged_prefill_vector", "paged_prefill_amx"})
+    m.def((std::string(name) + "(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
+           "Tensor context_lens, float scale, int min_q_len, Tensor(a!) out) -> ()").c_str());
   m.def("paged_prefill_supported(int head_dim) -> bool", &prefill_supported);
+  m.def("paged_prefill_amx_supported(int head_dim) -> bool", &pagedserve::amx::prefill_supported);
 }
 
-TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("paged_prefill", &paged_prefill); }
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+  m.impl("paged_prefill", &paged_prefill<Kernel::kAuto>);
+  m.impl("paged_prefill_vector", &paged_prefill<Kernel::kVector>);
+  m.impl("paged_prefill_amx", &paged_prefill<Kernel::kAmx>);
+}

@@ -19,7 +19,9 @@ from tests.invariants import assert_engine_idle
 from tests.unit.test_models import run_paged
 
 # bfloat16 against the float32 reference, teacher-forced on the same tokens. Measured here: top-1
-# agreement 98.4% and mean |dlogprob| 0.017 on the default model (800 positions); 96-98% and ~0.025
+# agreement 98.4% and mean |dlogprob| 0.017 on the default model (800 positions, AVX512-BF16 kernels);
+# on a CPU with AMX, 1,600 positions: 98.06% and 0.0190 through the tiles, 98.25% and 0.0190 without
+# them (over 800 positions the tiles gave 97.997%: 783 of 799, one near-tie from the bound); 96-98% and ~0.025
 # on tiny llama / tiny qwen3 (324 positions), whose random weights give near-tied top logits far
 # more often than a trained model's, so their floor is lower. A broken kernel scores ~0% here.
 MIN_TOP1_AGREEMENT = 0.98
@@ -108,7 +110,15 @@ def test_bf16_agrees_with_float32_on_the_default_model(default_model_dir):
              "To install the package, first create a virtual environment, then run pip install with the name",
              "The mitochondria is known as the powerhouse of the cell because it produces most of the energy",
              "In 1969, Neil Armstrong became the first person to walk on the Moon during the Apollo 11 mission",
-             "A good recipe for pancakes needs flour, eggs, milk, a pinch of salt and a little melted butter"]
+             "A good recipe for pancakes needs flour, eggs, milk, a pinch of salt and a little melted butter",
+             "The stock market fell sharply on Monday after the central bank announced an unexpected rise in",
+             "Water boils at one hundred degrees Celsius at sea level, but at higher altitudes the boiling point",
+             "Dear hiring manager, I am writing to apply for the position of software engineer that was posted",
+             "The quick brown fox jumps over the lazy dog, a sentence that contains every letter of the alphabet",
+             "In machine learning, a neural network is trained by adjusting its weights to reduce the error on",
+             "The French Revolution began in 1789 and led to the end of the monarchy and the rise of Napoleon",
+             "To make a cup of green tea, heat the water to about eighty degrees and let the leaves steep for",
+             "Shakespeare wrote many famous plays, including Hamlet, Macbeth, Othello and Romeo and Juliet, which"]
     seqs = [tokenizer.encode(t)[:20] for t in texts]
     # continue each text greedily in float32 so the fed tokens are the model's own, then score both
     engine = LLMEngine(EngineConfig(model=str(default_model_dir), dtype="float32", kv_cache_memory=64 << 20,

@@ -242,23 +242,36 @@ def test_kv_write_checks_every_slot_before_writing(kernel):
     assert cpu_ops.kv_writer_for(key, key, k_cache, torch.tensor([0, 1, 2], dtype=torch.int32)) is None
 
 
+@pytest.mark.parametrize("op", ["linear", "linear_vector", "linear_amx"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_rows", [1, 3, 8, 9, 17, 24, 40])
+@pytest.mark.parametrize("num_rows", [1, 3, 8, 9, 16, 17, 24, 33, 40, 64, 65])
+@pytest.mark.parametrize("num_out", [70, 96])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_small_batch_linear_matches_torch(kernel, dtype, num_rows, with_bias):
-    """cpu_gemv.cpp against a float64 reference on random inputs (rows past 8 run in tiles; float32
-    from 8 rows and 40 bfloat16 rows go to oneDNN); the output is fresh, so an unwritten element
+def test_small_batch_linear_matches_torch(kernel, op, dtype, num_rows, num_out, with_bias):
+    """cpu_gemv.cpp and cpu_amx.cpp against a float64 reference on random inputs. linear_vector: the
+    GEMV loop (rows past 8 in tiles; float32 from 8 rows and bfloat16 from 25 go to oneDNN); linear_amx:
+    bfloat16 tiles for up to 64 rows and whole blocks of 16 outputs (here where the CPU has AMX-BF16);
+    linear: the tiles where they serve, else linear_vector. The output is fresh, so an unwritten element
     would be garbage."""
-    linear = cpu_ops.linear_op()
+    amx_serves = dtype == torch.bfloat16 and num_rows <= 64 and num_out % 16 == 0
+    if op == "linear_amx" and not torch.ops.pagedserve_cpu.amx_available():
+        pytest.skip("this CPU (or kernel) gives no AMX-BF16 tiles")
+    linear = getattr(torch.ops.pagedserve_cpu, op)
     gen = torch.Generator().manual_seed(num_rows)
     x = torch.randn(num_rows, 96, generator=gen).to(dtype)
-    weight = torch.randn(70, 96, generator=gen).to(dtype)  # 70 rows: a partial block of 32
-    bias = torch.randn(70, generator=gen).to(dtype) if with_bias else None
+    weight = torch.randn(num_out, 96, generator=gen).to(dtype)  # 70 rows: a partial block of 32 (and of 16)
+    bias = torch.randn(num_out, generator=gen).to(dtype) if with_bias else None
+    if op == "linear_amx" and not amx_serves:
+        with pytest.raises(RuntimeError, match="linear_amx: needs bfloat16"):
+            linear(x.view(1, num_rows, 96), weight, bias)
+        return
     out = linear(x.view(1, num_rows, 96), weight, bias)
-    assert out.shape == (1, num_rows, 70) and out.dtype == dtype
+    assert out.shape == (1, num_rows, num_out) and out.dtype == dtype
     ref = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=5e-2)  # bf16: one rounding
     torch.testing.assert_close(out[0].double(), ref, **tol)
+    if op == "linear" and amx_serves and torch.ops.pagedserve_cpu.amx_available():
+        assert torch.equal(out, torch.ops.pagedserve_cpu.linear_amx(x.view(1, num_rows, 96), weight, bias))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

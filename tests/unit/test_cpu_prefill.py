@@ -1,4 +1,5 @@
-"""The C++ paged prefill kernel (engine_svc/attention/cpu_prefill.cpp) against a float32 reference.
+"""The C++ paged prefill kernels (cpu_prefill.cpp: AVX512-BF16; cpu_amx_prefill.cpp: AMX tiles, where the
+CPU has them) against a float32 reference.
 
 The reference gathers each sequence's context and runs torch's SDPA in float32 with an explicit
 causal mask shifted by the cached prefix. Every cache slot that no sequence wrote holds NaN, so a
@@ -28,6 +29,20 @@ def prefill():
     if not torch.ops.pagedserve_cpu.paged_prefill_supported(64):
         pytest.skip("this CPU has no AVX512-BF16: prefill stays on the torch path")
     return torch.ops.pagedserve_cpu.paged_prefill
+
+
+@pytest.fixture(params=["vector", "amx"])
+def kernel(prefill, request):
+    """(name, op) of one kernel: the AVX512-BF16 one, and the AMX one where this CPU has AMX-BF16
+    (paged_prefill takes it for bfloat16 pools there, the vector one elsewhere)."""
+    if request.param == "amx" and not torch.ops.pagedserve_cpu.paged_prefill_amx_supported(64):
+        pytest.skip("this CPU (or kernel) gives no AMX-BF16 tiles")
+    return request.param, getattr(torch.ops.pagedserve_cpu, f"paged_prefill_{request.param}")
+
+
+def skip_amx_float32(kernel, dtype):
+    if kernel[0] == "amx" and dtype == torch.float32:
+        pytest.skip("the AMX kernel is bfloat16 only (a float32 pool takes the vector kernel)")
 
 
 def make_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, seed, dtype=torch.bfloat16):
@@ -95,26 +110,28 @@ DTYPES = [torch.bfloat16, torch.float32]
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4), (8, 2)])
-def test_prefill_kernel_matches_float32_reference(prefill, dtype, block_size, head_dim, num_heads, num_kv_heads):
+def test_prefill_kernel_matches_float32_reference(kernel, dtype, block_size, head_dim, num_heads, num_kv_heads):
+    skip_amx_float32(kernel, dtype)
     args = make_batch(SEQS, block_size, num_heads, num_kv_heads, head_dim, seed=block_size + head_dim + num_heads,
                       dtype=dtype)
     out = torch.empty_like(args[0])
-    prefill(*args, head_dim**-0.5, 1, out)
+    kernel[1](*args, head_dim**-0.5, 1, out)
     assert_matches(out, reference(*args, head_dim**-0.5))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_one_long_prompt_matches(prefill, dtype):
+def test_one_long_prompt_matches(kernel, dtype):
+    skip_amx_float32(kernel, dtype)
     args = make_batch([(2048, 2048)], 16, 9, 3, 64, seed=1, dtype=dtype)
     out = torch.empty_like(args[0])
-    prefill(*args, 0.125, 1, out)
+    kernel[1](*args, 0.125, 1, out)
     assert_matches(out, reference(*args, 0.125))
 
 
-def test_rows_below_min_q_len_are_left_alone(prefill):
+def test_rows_below_min_q_len_are_left_alone(kernel):
     args = make_batch([(1, 40), (9, 20), (1, 7)], 16, 6, 2, 64, seed=2)
     out = torch.full_like(args[0], 7.0)
-    prefill(*args, 0.125, 2, out)
+    kernel[1](*args, 0.125, 2, out)
     assert (out[0] == 7.0).all() and (out[10] == 7.0).all()
     assert_bf16_close(out[1:10], reference(*args, 0.125)[1:10])
 
@@ -150,12 +167,28 @@ def test_only_bfloat16_and_float32_cpu_pools_take_the_kernel(prefill):
                 torch.tensor([0, 4], dtype=torch.int32), torch.tensor([4], dtype=torch.int32), 0.125, 1, torch.empty_like(q))
 
 
-def test_bad_metadata_raises_instead_of_reading_outside_the_pool(prefill):
+def test_bad_metadata_raises_instead_of_reading_outside_the_pool(kernel):
     args = list(make_batch([(4, 4)], 16, 4, 2, 64, seed=4))
     args[3] = torch.tensor([[99, 0]], dtype=torch.int32)  # a block id past the pool
     with pytest.raises(RuntimeError, match="block id out of range"):
-        prefill(*args, 0.125, 1, torch.empty_like(args[0]))
+        kernel[1](*args, 0.125, 1, torch.empty_like(args[0]))
     args[3] = torch.tensor([[1, 0]], dtype=torch.int32)
     args[5] = torch.tensor([3], dtype=torch.int32)  # 4 queries cannot sit in a context of 3
     with pytest.raises(RuntimeError, match="bad lengths"):
-        prefill(*args, 0.125, 1, torch.empty_like(args[0]))
+        kernel[1](*args, 0.125, 1, torch.empty_like(args[0]))
+
+
+def test_the_amx_kernel_refuses_what_it_cannot_serve(prefill):
+    args = make_batch([(4, 4)], 16, 4, 2, 64, seed=5, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="paged_prefill_amx: needs AMX-BF16, a bfloat16 pool"):
+        torch.ops.pagedserve_cpu.paged_prefill_amx(*args, 0.125, 1, torch.empty_like(args[0]))
+
+
+def test_the_dispatching_op_agrees_with_the_kernel_it_picks(prefill):
+    """paged_prefill on a bfloat16 pool is bit for bit the AMX kernel where there is one, else the vector one."""
+    args = make_batch([(70, 90), (33, 33)], 16, 9, 3, 64, seed=6)
+    picked = "amx" if torch.ops.pagedserve_cpu.paged_prefill_amx_supported(64) else "vector"
+    out, ref = torch.empty_like(args[0]), torch.empty_like(args[0])
+    prefill(*args, 0.125, 1, out)
+    getattr(torch.ops.pagedserve_cpu, f"paged_prefill_{picked}")(*args, 0.125, 1, ref)
+    assert torch.equal(out, ref)
