@@ -3,16 +3,18 @@
 // On a CPU with AMX, oneDNN's GEMM is near the tile units' peak for large M but runs at about half
 // the memory bandwidth for the few rows of a decode step, and the AVX512-BF16 loop of cpu_gemv.cpp
 // becomes compute-bound from 3-4 rows (one VDPBF16PS per row per 32 weights). One tile product does
-// 16 x 16 x 32 multiply-adds, so here a decode step streams the weights at memory speed for up to 32
-// rows. TDPBF16PS wants its B operand in pairs of K (VNNI); the weights, row-major [N, K], are
+// 16 x 16 x 32 multiply-adds, so here a decode step streams the weights at memory speed for up to 16-32
+// rows and beats oneDNN up to 128 (cpu_amx.h). TDPBF16PS wants its B operand in pairs of K (VNNI); the weights, row-major [N, K], are
 // already that as the A operand of the transposed product, so nothing is prepacked:
 //
 //   C[n][m] += sum_k W[n][k] x[m][k]      A = 16 weight rows x 32 k (one tile load, stride K, in place)
 //                                          B = x^T in K-pairs: 16 pair-rows x M columns (packed per call)
-//   tmm0..3  C  up to 32 rows: (n-block 0|1) x (m-tile 0|1); 33-64 rows: one n-block x m-tiles 0-3
-//   tmm4..5  A  n-block 0, n-block 1 (two blocks of 16 weight rows in flight while M <= 32)
-//   tmm6..7  B  m-tiles of 16 token rows (zero-padded), alternating
+//   tmm0..3  C  (n-block 0|1) x (m-tile 0|1): 16 weight rows x 16 token rows each
+//   tmm4..5  A  n-block 0, n-block 1 (two blocks of 16 weight rows in flight)
+//   tmm6..7  B  m-tile 0, m-tile 1 (16 token rows each, zero-padded)
 //   every tile 16 rows x 64 bytes: C 16 x 16 floats, A 16 x 32 bfloat16, B 16 K-pairs x 16 tokens
+// More than 32 token rows go in groups of 32 over the same pair of weight blocks (from cache after
+// the first), in slices whose packed x stays in L2.
 //
 // C comes out [n][m]; a 16 x 16 float transpose in registers turns it into y's [m][n] rows.
 
@@ -36,7 +38,6 @@ namespace pagedserve::amx {
 namespace {
 
 constexpr int64_t kTileRows = 16, kTileK = 32;
-constexpr int kPackedCols = 64;  // uint32 (K-pairs) per packed row: room for kMaxRows token rows
 
 bool probe() {
   unsigned a, b, c, d;
@@ -47,18 +48,18 @@ bool probe() {
   return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
 }
 
-// x [M, K] bfloat16 -> packed [K / 2][kPackedCols] uint32: packed[r][m] holds x[m][2r], x[m][2r + 1]
-// (rows past M zero), 16 x 16 blocks at a time through the same transpose.
-AMX_TARGET void pack_x(const c10::BFloat16* x, uint32_t* packed, int64_t M, int64_t K) {
+// x [M, K] bfloat16 -> packed [K / 2][cols] uint32: packed[r][m] holds x[m][2r], x[m][2r + 1] (rows
+// past M up to cols zero), 16 x 16 blocks at a time through the transpose.
+AMX_TARGET void pack_x(const c10::BFloat16* x, uint32_t* packed, int64_t M, int64_t K, int64_t cols) {
   const auto* xw = reinterpret_cast<const uint32_t*>(x);  // [M][K / 2] pairs
   const int64_t pairs = K / 2;
-  for (int64_t m0 = 0; m0 < std::min<int64_t>(M, kMaxRows); m0 += 16) {
+  for (int64_t m0 = 0; m0 < cols; m0 += 16) {
     for (int64_t c = 0; c < pairs; c += 16) {
       __m512 r[16];
       for (int i = 0; i < 16; ++i)
         r[i] = m0 + i < M ? _mm512_castsi512_ps(_mm512_loadu_si512(xw + (m0 + i) * pairs + c)) : _mm512_setzero_ps();
       transpose16(r);
-      for (int j = 0; j < 16; ++j) _mm512_storeu_ps(reinterpret_cast<float*>(packed + (c + j) * kPackedCols + m0), r[j]);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_ps(reinterpret_cast<float*>(packed + (c + j) * cols + m0), r[j]);
     }
   }
 }
@@ -77,26 +78,28 @@ AMX_TARGET inline void store_rows(const float* tile, const c10::BFloat16* bias, 
                         (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(r[m], b)));
 }
 
-// Weight rows [16 * block_begin, 16 * block_end), NB blocks of 16 at a time, MT tiles of 16 token
-// columns each (columns past M multiply the packed zeros and are not stored; every tile is 16 x 64
-// bytes, so the shapes of a tile product always match).
+// Weight rows [16 * block_begin, 16 * block_end), NB blocks of 16 at a time, times token rows
+// [m_begin, m_end) of the packed x (cols wide) in groups of MT tiles of 16 (columns past m_end
+// multiply the packed zeros and are not stored; every tile is 16 x 64 bytes, so the shapes of a tile
+// product always match). A block's weights come from memory for the first group, from cache after.
 template <int NB, int MT>
-AMX_TARGET void run_blocks(const uint32_t* packed, const c10::BFloat16* w, const c10::BFloat16* bias,
-                           c10::BFloat16* y, int64_t M, int64_t K, int64_t N, int64_t block_begin,
-                           int64_t block_end) {
-  static_assert((NB == 2 && MT <= 2) || (NB == 1 && MT <= 4));
+AMX_TARGET void run_blocks(const uint32_t* packed, int64_t cols, const c10::BFloat16* w, const c10::BFloat16* bias,
+                           c10::BFloat16* y, int64_t m_begin, int64_t m_end, int64_t K, int64_t N,
+                           int64_t block_begin, int64_t block_end) {
+  static_assert(NB <= 2 && MT <= 2);
   const TileConfig cfg;
   _tile_loadconfig(&cfg);
   alignas(64) float tiles[4][16 * 16];
-  const int64_t stride_w = K * sizeof(c10::BFloat16), stride_p = kPackedCols * sizeof(uint32_t);
-  for (int64_t blk = block_begin; blk < block_end; blk += NB) {
+  const int64_t stride_w = K * sizeof(c10::BFloat16), stride_p = cols * sizeof(uint32_t);
+  for (int64_t blk = block_begin; blk < block_end; blk += NB)
+   for (int64_t mg = m_begin; mg < m_end; mg += 16 * MT) {
     const c10::BFloat16* w0 = w + blk * kTileRows * K;
     _tile_zero(0);
     if constexpr (NB * MT > 1) _tile_zero(1);
     if constexpr (NB * MT > 2) _tile_zero(2);
     if constexpr (NB * MT > 3) _tile_zero(3);
     for (int64_t k = 0; k < K; k += kTileK) {
-      const uint32_t* p = packed + (k / 2) * kPackedCols;
+      const uint32_t* p = packed + (k / 2) * cols + mg;
       _tile_loadd(4, w0 + k, stride_w);
       _tile_loadd(6, p, stride_p);
       if constexpr (NB == 2) {  // C tile MT * n-block + m-tile
@@ -110,19 +113,11 @@ AMX_TARGET void run_blocks(const uint32_t* packed, const c10::BFloat16* w, const
           _tile_dpbf16ps(1, 4, 7);
           _tile_dpbf16ps(3, 5, 7);
         }
-      } else {  // C tile m-tile; B tiles alternate so a load need not wait for the product before it
+      } else {  // one block: C tile m-tile
         _tile_dpbf16ps(0, 4, 6);
-        if constexpr (MT > 1) {
+        if constexpr (MT == 2) {
           _tile_loadd(7, p + 16, stride_p);
           _tile_dpbf16ps(1, 4, 7);
-        }
-        if constexpr (MT > 2) {
-          _tile_loadd(6, p + 32, stride_p);
-          _tile_dpbf16ps(2, 4, 6);
-        }
-        if constexpr (MT > 3) {
-          _tile_loadd(7, p + 48, stride_p);
-          _tile_dpbf16ps(3, 4, 7);
         }
       }
     }
@@ -131,8 +126,8 @@ AMX_TARGET void run_blocks(const uint32_t* packed, const c10::BFloat16* w, const
     if constexpr (NB * MT > 2) _tile_stored(2, tiles[2], 64);
     if constexpr (NB * MT > 3) _tile_stored(3, tiles[3], 64);
     for (int t = 0; t < NB * MT; ++t) {
-      const int64_t m0 = 16 * (t % MT);
-      store_rows(tiles[t], bias, y, (blk + t / MT) * kTileRows, m0, std::min<int64_t>(16, M - m0), N);
+      const int64_t m0 = mg + 16 * (t % MT);
+      store_rows(tiles[t], bias, y, (blk + t / MT) * kTileRows, m0, std::min<int64_t>(16, m_end - m0), N);
     }
   }
   _tile_release();
@@ -147,27 +142,25 @@ bool available() {
 
 void linear(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y, int64_t M,
             int64_t K, int64_t N) {
-  std::vector<uint32_t> packed(static_cast<size_t>(K / 2) * kPackedCols);
-  pack_x(x, packed.data(), M, K);
-  const int64_t num_blocks = N / kTileRows, num_tiles = (M + 15) / 16;
-  const int64_t per_unit = num_tiles <= 2 ? 2 : 1;  // blocks of weight rows a unit of work takes at once
-  at::parallel_for(0, (num_blocks + per_unit - 1) / per_unit, 0, [&](int64_t begin, int64_t end) {
-    const int64_t first = begin * per_unit, last = std::min(end * per_unit, num_blocks);
-    const int64_t paired = per_unit == 2 ? first + (last - first) / 2 * 2 : first;  // an odd last block alone
-    const uint32_t* p = packed.data();
-    switch (num_tiles) {
-      case 1:
-        run_blocks<2, 1>(p, w, bias, y, M, K, N, first, paired);
-        run_blocks<1, 1>(p, w, bias, y, M, K, N, paired, last);
-        break;
-      case 2:
-        run_blocks<2, 2>(p, w, bias, y, M, K, N, first, paired);
-        run_blocks<1, 2>(p, w, bias, y, M, K, N, paired, last);
-        break;
-      case 3: run_blocks<1, 3>(p, w, bias, y, M, K, N, first, last); break;
-      default: run_blocks<1, 4>(p, w, bias, y, M, K, N, first, last);
-    }
-  });
+  // token rows in slices whose packed x stays in L2 (~256 KB); per slice, pairs of weight blocks over
+  // the threads, each pair times every group of 32 rows of the slice (one group, one tile for <= 16)
+  const int64_t num_blocks = N / kTileRows, slice = std::max<int64_t>(32, (int64_t(1) << 18) / (2 * K) / 32 * 32);
+  std::vector<uint32_t> packed(static_cast<size_t>(K / 2) * std::min(slice, (M + 31) / 32 * 32));
+  for (int64_t m0 = 0; m0 < M; m0 += slice) {
+    const int64_t rows = std::min(slice, M - m0), cols = rows <= 16 ? 16 : (rows + 31) / 32 * 32;
+    pack_x(x + m0 * K, packed.data(), rows, K, cols);
+    at::parallel_for(0, (num_blocks + 1) / 2, 0, [&](int64_t begin, int64_t end) {
+      const int64_t first = 2 * begin, last = std::min(2 * end, num_blocks), paired = first + (last - first) / 2 * 2;
+      const uint32_t* p = packed.data();
+      if (rows <= 16) {
+        run_blocks<2, 1>(p, cols, w, bias, y + m0 * N, 0, rows, K, N, first, paired);
+        run_blocks<1, 1>(p, cols, w, bias, y + m0 * N, 0, rows, K, N, paired, last);
+      } else {
+        run_blocks<2, 2>(p, cols, w, bias, y + m0 * N, 0, rows, K, N, first, paired);
+        run_blocks<1, 2>(p, cols, w, bias, y + m0 * N, 0, rows, K, N, paired, last);
+      }
+    });
+  }
 }
 
 #else

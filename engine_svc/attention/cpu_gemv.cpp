@@ -15,10 +15,10 @@
 // matmul (mkldnn::_linear_pointwise), anything else (another dtype, a larger bfloat16 M, K not a
 // multiple of 32, a CPU without AVX-512 and BF16) to at::linear (oneDNN for bfloat16).
 //
-// On a CPU with AMX (Intel Sapphire Rapids and later) bfloat16 rows up to 64 go to cpu_amx.cpp
+// On a CPU with AMX (Intel Sapphire Rapids and later) bfloat16 rows up to 128 go to cpu_amx.cpp
 // instead: there this loop is compute-bound from 3-4 rows (41 ms for 30 layers' weights at 8 rows,
 // against 10-12 ms through the tiles, which stream at memory speed up to 16 rows and beat oneDNN's
-// 20-29 ms up to 64; at one row the tiles were 13.3 against 15.2 ms with the LM head).
+// 20-37 ms up to 128; at one row the tiles were 13.3 against 15.2 ms with the LM head).
 
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>

@@ -244,16 +244,17 @@ def test_kv_write_checks_every_slot_before_writing(kernel):
 
 @pytest.mark.parametrize("op", ["linear", "linear_vector", "linear_amx"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_rows", [1, 3, 8, 9, 16, 17, 24, 33, 40, 64, 65])
+@pytest.mark.parametrize("num_rows", [1, 3, 8, 9, 16, 17, 24, 33, 40, 64, 65, 128, 129])
 @pytest.mark.parametrize("num_out", [70, 96])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_batch_linear_matches_torch(kernel, op, dtype, num_rows, num_out, with_bias):
     """cpu_gemv.cpp and cpu_amx.cpp against a float64 reference on random inputs. linear_vector: the
     GEMV loop (rows past 8 in tiles; float32 from 8 rows and bfloat16 from 25 go to oneDNN); linear_amx:
-    bfloat16 tiles for up to 64 rows and whole blocks of 16 outputs (here where the CPU has AMX-BF16);
+    bfloat16 tiles for up to 128 rows (groups of 32 past 32) and whole blocks of 16 outputs (where the CPU
+    has AMX-BF16);
     linear: the tiles where they serve, else linear_vector. The output is fresh, so an unwritten element
     would be garbage."""
-    amx_serves = dtype == torch.bfloat16 and num_rows <= 64 and num_out % 16 == 0
+    amx_serves = dtype == torch.bfloat16 and num_rows <= 128 and num_out % 16 == 0
     if op == "linear_amx" and not torch.ops.pagedserve_cpu.amx_available():
         pytest.skip("this CPU (or kernel) gives no AMX-BF16 tiles")
     linear = getattr(torch.ops.pagedserve_cpu, op)
@@ -272,6 +273,19 @@ def test_small_batch_linear_matches_torch(kernel, op, dtype, num_rows, num_out, 
     torch.testing.assert_close(out[0].double(), ref, **tol)
     if op == "linear" and amx_serves and torch.ops.pagedserve_cpu.amx_available():
         assert torch.equal(out, torch.ops.pagedserve_cpu.linear_amx(x.view(1, num_rows, 96), weight, bias))
+
+
+@pytest.mark.parametrize("num_rows", [70, 128])
+def test_amx_linear_in_slices_of_token_rows(kernel, num_rows):
+    """K = 1,536 (the default model's down projection): the packed x of 64 rows fills the tiles' L2
+    slice, so 70 and 128 rows run as two slices, the last one partial."""
+    if not torch.ops.pagedserve_cpu.amx_available():
+        pytest.skip("this CPU (or kernel) gives no AMX-BF16 tiles")
+    gen = torch.Generator().manual_seed(num_rows)
+    x = torch.randn(num_rows, 1536, generator=gen).bfloat16()
+    weight, bias = torch.randn(48, 1536, generator=gen).bfloat16(), torch.randn(48, generator=gen).bfloat16()
+    ref = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    torch.testing.assert_close(torch.ops.pagedserve_cpu.linear_amx(x, weight, bias).double(), ref, rtol=1e-2, atol=0.3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
