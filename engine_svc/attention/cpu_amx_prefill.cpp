@@ -44,10 +44,8 @@ struct Item {
   int64_t group, row_begin, cost;
 };
 
-const __m512i kInterleaveLo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
-                                               38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-const __m512i kInterleaveHi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55,
-                                               23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+using pagedserve_simd::kInterleaveHi;
+using pagedserve_simd::kInterleaveLo;
 
 int64_t padded(int64_t ctx) { return (ctx + kChunk - 1) / kChunk * kChunk; }
 

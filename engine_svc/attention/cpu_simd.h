@@ -1,4 +1,4 @@
-// AVX-512 helpers shared by the CPU kernels (cpu_kernels.cpp, cpu_prefill.cpp); header-only, so each
+// AVX-512 helpers shared by the CPU kernels (cpu_kernels.cpp, cpu_prefill.cpp, cpu_amx_prefill.cpp); header-only, so each
 // translation unit gets its own inline copy. Part of the build's hash (cpu_ops.HEADERS).
 #pragma once
 
@@ -6,6 +6,12 @@
 #include <immintrin.h>
 
 namespace pagedserve_simd {
+
+// 16-bit lanes (a[i], b[i]) for i in [0, 16) and [16, 32) of two vectors of 32 (for _mm512_permutex2var_epi16)
+inline const __m512i kInterleaveLo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                                      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+inline const __m512i kInterleaveHi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
+                                                      55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
 
 // exp(x) for x <= 0 on 16 lanes: the Cephes-style polynomial of exp_nonpos (cpu_kernels.cpp), scaled by 2^k with VSCALEFPS.
 inline __m512 exp512_nonpos(__m512 x) {
