@@ -9,7 +9,9 @@
 
 #include <cstdint>
 
-#if defined(__x86_64__) && defined(__GNUC__) && defined(__AVX512BF16__) && defined(__AVX512F__)
+// the tile intrinsics need g++ 11 or clang 12; an older compiler builds everything else, without them
+#if defined(__x86_64__) && defined(__AVX512BF16__) && defined(__AVX512F__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #include <immintrin.h>
 #define PAGEDSERVE_AMX 1
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
