@@ -45,8 +45,9 @@ def skip_amx_float32(kernel, dtype):
         pytest.skip("the AMX kernel is bfloat16 only (a float32 pool takes the vector kernel)")
 
 
-def make_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, seed, dtype=torch.bfloat16):
-    """seqs: [(q_len, context_len)]. A NaN pool with each context's K/V in shuffled blocks."""
+def make_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, seed, dtype=torch.bfloat16, key_growth=0.0):
+    """seqs: [(q_len, context_len)]. A NaN pool with each context's K/V in shuffled blocks; key_growth > 0
+    scales the key at position t by 1 + key_growth * t (scores that keep outgrowing the early keys')."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-ctx // block_size) for _, ctx in seqs]
     num_blocks = sum(blocks_per_seq) + 4
@@ -60,8 +61,10 @@ def make_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, seed, dtype=
         block_tables[s, :nb] = blocks
         pos = torch.arange(ctx)
         slots = blocks[pos // block_size] * block_size + pos % block_size
-        for cache in (k_cache, v_cache):
-            cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(ctx, num_kv_heads, head_dim, generator=gen).to(dtype)
+        growth = (1 + key_growth * pos.float())[:, None, None]
+        for cache, factor in ((k_cache, growth), (v_cache, 1.0)):
+            cache.view(-1, num_kv_heads, head_dim)[slots] = (
+                torch.randn(ctx, num_kv_heads, head_dim, generator=gen) * factor).to(dtype)
     q_lens = [q for q, _ in seqs]
     query_start_loc = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
     query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
@@ -123,6 +126,16 @@ def test_prefill_kernel_matches_float32_reference(kernel, dtype, block_size, hea
 def test_one_long_prompt_matches(kernel, dtype):
     skip_amx_float32(kernel, dtype)
     args = make_batch([(2048, 2048)], 16, 9, 3, 64, seed=1, dtype=dtype)
+    out = torch.empty_like(args[0])
+    kernel[1](*args, 0.125, 1, out)
+    assert_matches(out, reference(*args, 0.125))
+
+
+@pytest.mark.parametrize("key_growth", [1 / 16, 1 / 256])
+def test_scores_that_outgrow_the_first_keys_match(kernel, key_growth):
+    """Later keys score tens of units above the first chunk's (the AMX kernel moves its running max
+    and rescales what it has summed many times along a row), with a cached prefix and a long prompt."""
+    args = make_batch([(100, 1100), (700, 700), (5, 400)], 16, 9, 3, 64, seed=7, key_growth=key_growth)
     out = torch.empty_like(args[0])
     kernel[1](*args, 0.125, 1, out)
     assert_matches(out, reference(*args, 0.125))
