@@ -55,6 +55,7 @@ class DetokService:
                                          config.heartbeat_s, ttl_s=config.bus.heartbeat_ttl_s)
         self.outbox = Outbox(self.to_gateway, self.from_engine)  # entries are acked once their replies are out
         self.processor = processor
+        self._prefetched = None  # envelopes read with the last turn's replies (Outbox.flush_and_read)
         self.stopping = threading.Event()
         self.num_outputs = 0
         self.num_messages = 0
@@ -81,6 +82,8 @@ class DetokService:
         try:
             while not self.stopping.is_set():
                 self.run_once(self.config.block_ms)
+            while self._prefetched:  # read with the last replies: handled, not left pending
+                self.run_once(None)
         finally:
             self.heartbeat.remove()
             for span in self.spans.values():
@@ -90,7 +93,9 @@ class DetokService:
     def run_once(self, block_ms: int | None) -> int:
         if not self.outbox.flush():  # Redis away: hold the last turn's replies, read nothing new
             return 0
-        envelopes = self.from_engine.read(count=self.config.entries_per_read, block_ms=block_ms)
+        envelopes, self._prefetched = self._prefetched, None
+        if envelopes is None:
+            envelopes = self.from_engine.read(count=self.config.entries_per_read, block_ms=block_ms)
         outgoing = []
         for env in envelopes:
             if self.tracing is not None and isinstance(env.msg, Admission) and env.msg.trace:
@@ -110,7 +115,11 @@ class DetokService:
             outgoing = [(stream, msg) for stream, msg in outgoing if stream not in self._gone_streams]
         # only entries no unfinished request holds are acked: the rest replay after a crash
         self.outbox.put(outgoing, acks=self.processor.take_ackable())
-        self.outbox.flush()
+        if not envelopes or self.stopping.is_set():
+            self.outbox.flush()
+        else:  # busy: the replies out and the next read in one round trip (acks to send: a plain flush)
+            reads = self.outbox.flush_and_read([(self.from_engine, self.config.entries_per_read)], block_ms)[1]
+            self._prefetched = reads[0] if reads and reads[0] else None  # nothing came: the next turn reads (and waits) again
         self.num_outputs += len(outgoing)
         self.num_messages += len(envelopes)
         if self.spans:

@@ -21,6 +21,7 @@ import redis
 from shared import entries
 from shared.bus_auth import BusSigner, ForgedEntry, RefusalLog, refusal_record
 from shared.dead_letters import dead_letter
+from shared.direct_pipe import DirectPipe, HeldConnection
 from shared.protocol import Message, ProtocolError, decode
 from shared.streams import FIELD, Envelope, Producer, blocking_client, check_block, decode_id
 
@@ -50,6 +51,7 @@ class GroupReader:
         self.dlq = dlq if dlq is not None else stream.split(":", 1)[0] + ":dlq"
         self.producer = producer or Producer(client, signer=signer)
         self.blocking = blocking_client(client, max_block_ms)
+        self.held = HeldConnection(self.blocking.connection_pool)  # its blocking reads (shared/direct_pipe.py)
         self._draining = True  # own pending entries first
         self._pending_cursor = "0"
         self._claim_cursor = "0-0"
@@ -98,8 +100,8 @@ class GroupReader:
             claimed = self._maybe_claim(count)
             if claimed:
                 return claimed
-            resp = self.blocking.xreadgroup(self.group, self.consumer, {self.stream: ">"},
-                                            count=count, block=block_ms)
+            resp = DirectPipe(self.held).xreadgroup(self.group, self.consumer, {self.stream: ">"},
+                                                    count=count, block=block_ms).execute()[0]
             self._backoff = 0.0
             return self._accept(resp[0][1] if resp else [])
         except redis.ResponseError as exc:
@@ -110,14 +112,14 @@ class GroupReader:
             self._recover(exc)
         return []
 
-    def queue_read(self, pipe, count: int = 64) -> bool:
-        """read(count)'s non-blocking XREADGROUP of new entries queued on ``pipe``
+    def queue_read(self, pipe, count: int = 64, block_ms: int | None = None) -> bool:
+        """read(count, block_ms)'s XREADGROUP of new entries queued on ``pipe``
         (Outbox.flush_and_read); False when read() has more to do first (the group to create,
         acks to retry, own pending entries to drain, idle entries to claim)."""
         if not self._group_ready or self._unacked or self._draining or (
                 self.claim_idle_ms is not None and time.monotonic() >= self._next_claim):
             return False
-        pipe.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count)
+        pipe.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms)
         return True
 
     def take(self, reply) -> list[Envelope]:
@@ -243,4 +245,5 @@ class GroupReader:
             return 0
 
     def close(self) -> None:
+        self.held.close()
         self.blocking.close()

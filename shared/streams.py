@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 
 from shared import entries
 from shared.bus_auth import BusSigner, ForgedEntry, RefusalLog, refusal_record
+from shared.direct_pipe import AsyncHeldConnection, DirectPipe, HeldConnection
 from shared.protocol import Message, ProtocolError, decode
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,7 @@ class Outbox:
     def __init__(self, producer: Producer, reader=None, *, max_backoff_s: float = 2.0):
         self.producer = producer
         self.reader = reader  # a GroupReader (its ack never raises), or None
+        self.held = HeldConnection(producer.client.connection_pool)  # flush_and_read's (shared/direct_pipe.py)
         self.max_backoff_s = max_backoff_s
         self.items: list[tuple[str, Message]] = []
         self.acks: list = []
@@ -180,20 +182,25 @@ class Outbox:
         self._backoff, self._down_since = 0.0, None
         return True
 
-    def flush_and_read(self, reads: list[tuple[object, int]]) -> tuple[bool, list[list[Envelope]] | None]:
-        """flush(), with the next non-blocking read of each reader in ``reads`` ([(reader, count)],
-        readers with ``queue_read``/``take``) in the same pipeline: one round trip instead of
+    def flush_and_read(self, reads: list[tuple[object, int]],
+                       block_ms: int | None = None) -> tuple[bool, list[list[Envelope]] | None]:
+        """flush(), with the next read of each reader in ``reads`` ([(reader, count)], readers with
+        ``queue_read``/``take``/``held``) in the same pipeline: one round trip instead of
         1 + len(reads). Answers (flush()'s answer, each reader's envelopes); the envelopes are None
         when the reads were not made -- acks to send, a reader with more to do than a plain read,
-        or Redis failing before any reply -- and then the caller reads as before.
+        or Redis failing before any reply -- and then the caller reads as before. With
+        ``block_ms`` (one reader) the read waits for entries that long, on the reader's blocking
+        connection: the round trip then ends when the next input arrives.
 
         The reads are taken even when a send failed (their entries are this consumer's now); the
         sends are then held and retried like flush()'s."""
         if self.acks:
             return self.flush(), None
-        pipe = self.producer.client.pipeline(transaction=False)
+        if block_ms is not None and len(reads) != 1:
+            raise ValueError("a blocking flush_and_read takes one reader")
+        pipe = DirectPipe(reads[0][0].held if block_ms is not None else self.held)
         num_sends = self.producer.queue_many(pipe, self.items)  # the output first, then the reads
-        if not all(reader.queue_read(pipe, count) for reader, count in reads):
+        if not all(reader.queue_read(pipe, count, check_block(block_ms)) for reader, count in reads):
             return self.flush(), None  # the filled pipe is dropped unsent
         try:
             replies = pipe.execute(raise_on_error=False)
@@ -297,6 +304,7 @@ class StreamReader:
         self.refusals = RefusalLog(stream)
         self.dead_letters: list[dict] = []
         self.blocking = blocking_client(client, max_block_ms)
+        self.held = HeldConnection(self.blocking.connection_pool)  # its reads (shared/direct_pipe.py)
         # resolve "$" now, so entries written between construction and the first read are seen
         self.last_id = self._resolve(start)
 
@@ -316,19 +324,19 @@ class StreamReader:
         try:
             if self.last_id == "$":
                 self.last_id = self._resolve("$")
-            resp = self.blocking.xread({self.stream: self.last_id}, count=count, block=block_ms)
+            resp = DirectPipe(self.held).xread({self.stream: self.last_id}, count=count, block=block_ms).execute()[0]
         except redis.RedisError as exc:  # stalled, restarting, flushed: never worth dying for
             log.warning("%s: %s", self.stream, exc)
             time.sleep(0.2)
             return []
         return self._accept(resp[0][1] if resp else [])
 
-    def queue_read(self, pipe, count: int = 256) -> bool:
-        """read(count)'s non-blocking XREAD queued on ``pipe`` (Outbox.flush_and_read); False when
+    def queue_read(self, pipe, count: int = 256, block_ms: int | None = None) -> bool:
+        """read(count, block_ms)'s XREAD queued on ``pipe`` (Outbox.flush_and_read); False when
         the cursor is not resolved yet (then read() does that)."""
         if self.last_id == "$":
             return False
-        pipe.xread({self.stream: self.last_id}, count=count)
+        pipe.xread({self.stream: self.last_id}, count=count, block=block_ms)
         return True
 
     def take(self, reply) -> list[Envelope]:
@@ -358,6 +366,7 @@ class StreamReader:
             log.warning("%s: dead letters not written yet: %s", self.stream, exc)
 
     def close(self) -> None:
+        self.held.close()
         self.blocking.close()
 
 
@@ -373,6 +382,7 @@ class AsyncStreamReader:
         self.refusals = RefusalLog(stream)
         self.dead_letters: list[dict] = []
         self.blocking = async_blocking_client(client, max_block_ms)
+        self.held = AsyncHeldConnection(self.blocking.connection_pool)  # a read per token: shared/direct_pipe.py
         self.last_id = start
 
     async def resolve_start(self) -> None:
@@ -387,7 +397,7 @@ class AsyncStreamReader:
     async def read(self, count: int = 256, block_ms: int | None = None) -> list[Envelope]:
         check_block(block_ms)
         await self.resolve_start()
-        resp = await self.blocking.xread({self.stream: self.last_id}, count=count, block=block_ms)
+        resp = (await self.held.run(DirectPipe().xread({self.stream: self.last_id}, count=count, block=block_ms)))[0]
         out = []
         for entry_id, fields in (resp[0][1] if resp else []):
             self.last_id = decode_id(entry_id)
@@ -403,4 +413,5 @@ class AsyncStreamReader:
         return out
 
     async def close(self) -> None:
+        await self.held.close()
         await self.blocking.aclose()
