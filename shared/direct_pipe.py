@@ -20,6 +20,7 @@ left in its place among the replies, as a redis-py pipeline does.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 
 import redis
@@ -155,8 +156,9 @@ class HeldConnection:
 class AsyncHeldConnection:
     """HeldConnection over redis.asyncio (the gateway's reply-stream reads)."""
 
-    def __init__(self, pool: aioredis.ConnectionPool):
+    def __init__(self, pool: aioredis.ConnectionPool, *, read_timeout_s: float | None = None):
         self.pool = pool
+        self.read_timeout_s = read_timeout_s  # None: the pool's socket timeout
         self._conn = None
 
     async def execute(self, commands: Sequence[tuple]) -> list:
@@ -165,12 +167,17 @@ class AsyncHeldConnection:
         try:
             await conn.send_packed_command(conn.pack_commands(commands))
             replies = []
-            for _ in commands:
-                try:
-                    replies.append(await conn.read_response())
-                except redis.ResponseError as exc:
-                    replies.append(exc)
+            # our own timer: redis-py answers None for a read that outlasts a timeout given to it
+            async with asyncio.timeout(self.read_timeout_s):
+                for _ in commands:
+                    try:
+                        replies.append(await conn.read_response())
+                    except redis.ResponseError as exc:
+                        replies.append(exc)
             return replies
+        except TimeoutError:  # our timer (asyncio's, the builtin): the reply is still to come, the connection goes
+            await self._drop()
+            raise redis.TimeoutError(f"no reply from Redis within {self.read_timeout_s}s") from None
         except BaseException:  # cancelled mid-read included: the next reply would be this one's
             await self._drop()
             raise

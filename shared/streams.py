@@ -68,10 +68,16 @@ def blocking_client(client: redis.Redis, block_ms: int = 60_000) -> redis.Redis:
     return redis.Redis(connection_pool=pool)
 
 
-def async_blocking_client(client: aioredis.Redis, block_ms: int = 60_000) -> aioredis.Redis:
-    pool = aioredis.ConnectionPool(connection_class=client.connection_pool.connection_class,
-                                   **_outlasting(client, block_ms))
-    return aioredis.Redis(connection_pool=pool)
+def async_held_connection(client: aioredis.Redis, block_ms: int = 60_000) -> AsyncHeldConnection:
+    """A connection of its own, same server, for a loop's blocking reads: each read times out after
+    the client's socket timeout or block_ms + 5 s, whichever is longer, and its writes (a few bytes
+    to a socket Redis reads at once) take no timer: with a socket timeout, redis-py's asyncio
+    connection sends through ``asyncio.wait_for``, a task per command."""
+    kwargs = _outlasting(client, block_ms)
+    read_timeout_s = kwargs.pop("socket_timeout", None)
+    pool = aioredis.ConnectionPool(connection_class=client.connection_pool.connection_class, socket_timeout=None,
+                                   **kwargs)
+    return AsyncHeldConnection(pool, read_timeout_s=read_timeout_s)
 
 
 def connect(redis_url: str, **kwargs) -> redis.Redis:
@@ -381,8 +387,7 @@ class AsyncStreamReader:
         self.dlq = dlq or _dlq_of(stream)
         self.refusals = RefusalLog(stream)
         self.dead_letters: list[dict] = []
-        self.blocking = async_blocking_client(client, max_block_ms)
-        self.held = AsyncHeldConnection(self.blocking.connection_pool)  # a read per token: shared/direct_pipe.py
+        self.held = async_held_connection(client, max_block_ms)  # a read per token: shared/direct_pipe.py
         self.last_id = start
 
     async def resolve_start(self) -> None:
@@ -414,4 +419,4 @@ class AsyncStreamReader:
 
     async def close(self) -> None:
         await self.held.close()
-        await self.blocking.aclose()
+        await self.held.pool.aclose()

@@ -133,3 +133,25 @@ def test_a_blocking_flush_and_read_sends_then_waits_for_the_next_input(redis_cli
     assert intake.ack(reads[0]) == 1 and intake.num_pending() == 0
     with pytest.raises(ValueError):
         outbox.flush_and_read([(intake, 10), (StreamReader(redis_client, "x:ctl", start="0-0"), 10)], block_ms=10)
+
+
+def test_the_gateways_reader_times_out_its_reads_not_its_sends(redis_url, prefix):
+    """The reply-stream reader's connection sends without a timer and reads with one
+    (streams.async_held_connection): a block longer than the client's socket timeout plus 5 s is
+    cut off there, not left waiting forever."""
+    from shared.streams import async_held_connection
+
+    async def run():
+        client = aioredis.Redis.from_url(redis_url, socket_timeout=0.2)
+        held = async_held_connection(client, block_ms=100)  # reads time out after max(0.2, 0.1 + 5) s
+        assert held.pool.connection_kwargs["socket_timeout"] is None and held.read_timeout_s == pytest.approx(5.1)
+        held.read_timeout_s = 0.3
+        start = time.monotonic()
+        with pytest.raises(redis.TimeoutError):
+            await held.run(DirectPipe().xread({f"{prefix}:quiet": "$"}, block=5_000))
+        assert time.monotonic() - start < 2.0
+        assert await held.run(DirectPipe().xread({f"{prefix}:quiet": "$"}, block=50)) == [[]]  # connected again
+        await held.close()
+        await client.aclose()
+
+    asyncio.run(run())
