@@ -6,7 +6,8 @@ replies with its next blocking read, the gateway's read of its reply stream. Thr
 client each call also pays for what the client adds to it: a connection taken from the pool and
 given back, the retry and observability wrappers, the command's response callback. Measured here
 (one XREAD of one entry, client CPU per call): 77 us through ``Redis.xread``, 39 us on the
-connection itself, 32 us on a bare socket with hiredis; asyncio 116 against ~50. On two cores
+connection itself, 32 us on a bare socket with hiredis; with asyncio (and the entry's decode),
+127 against 98 on the held connection. On two cores
 whatever the bus spends per token comes out of the engine's forward, so these loops send their
 commands on a connection they hold (``HeldConnection``; still redis-py's: it connects,
 authenticates, selects the database and parses with hiredis) and build and parse the commands
