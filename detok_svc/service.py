@@ -82,7 +82,7 @@ class DetokService:
         try:
             while not self.stopping.is_set():
                 self.run_once(self.config.block_ms)
-            while self._prefetched:  # read with the last replies: handled, not left pending
+            if self._prefetched:  # read with the last replies: handled, not left pending (unless Redis is away)
                 self.run_once(None)
         finally:
             self.heartbeat.remove()

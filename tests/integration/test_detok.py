@@ -342,3 +342,24 @@ def test_deltas_of_a_request_never_admitted_are_dropped(hf_tokenizer):
     processor = DetokProcessor(hf_tokenizer, StreamNames("x"))
     outputs, _, acked = _run(processor, _deltas(hf_tokenizer, "Hello world", admit=False))
     assert outputs == [] and processor.requests == {} and acked
+
+
+def test_a_stopping_detok_answers_what_it_read_with_its_last_replies(redis_url, redis_client, prefix, hf_tokenizer):
+    """A busy turn takes the next entry in the same round trip as its replies (Outbox.flush_and_read
+    with block_ms); a stop right after still answers and acks it: nothing read is left pending."""
+    names = StreamNames(prefix)
+    reply = names.gateway_out("g")
+    admission, *deltas = _deltas(hf_tokenizer, "one two", reply_to=reply, n_per=64)  # one delta: the final one
+    producer = Producer(redis_client)
+    producer.send(names.detok_in(0), admission)
+    producer.send(names.detok_in(0), deltas[0])
+    config = DetokConfig(bus=BusConfig(redis_url=redis_url, prefix=prefix), shard=0, num_detok_shards=1,
+                         service_id="detok-0", block_ms=50, entries_per_read=1)
+    service = DetokService(config, DetokProcessor(hf_tokenizer, names))
+    assert service.run_once(50) == 1  # the admission, and with its (empty) replies the final delta's entry
+    assert service._prefetched is not None and _replies(redis_client, names) == []
+    service.stopping.set()
+    service.run()
+    assert [r.finish_reason for r in _replies(redis_client, names)] == [FinishReason.LENGTH]
+    assert redis_client.xpending(names.detok_in(0), "detok")["pending"] == 0
+    assert service.processor.requests == {}
