@@ -21,9 +21,9 @@ import redis
 from shared import entries
 from shared.bus_auth import BusSigner, ForgedEntry, RefusalLog, refusal_record
 from shared.dead_letters import dead_letter
-from shared.direct_pipe import DirectPipe, HeldConnection
+from shared.direct_pipe import DirectPipe
 from shared.protocol import Message, ProtocolError, decode
-from shared.streams import FIELD, Envelope, Producer, blocking_client, check_block, decode_id
+from shared.streams import FIELD, Envelope, Producer, check_block, decode_id, held_connection
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +50,7 @@ class GroupReader:
         self.claim_idle_ms = claim_idle_ms
         self.dlq = dlq if dlq is not None else stream.split(":", 1)[0] + ":dlq"
         self.producer = producer or Producer(client, signer=signer)
-        self.blocking = blocking_client(client, max_block_ms)
-        self.held = HeldConnection(self.blocking.connection_pool)  # its blocking reads (shared/direct_pipe.py)
+        self.held = held_connection(client, max_block_ms)  # its blocking reads (shared/direct_pipe.py)
         self._draining = True  # own pending entries first
         self._pending_cursor = "0"
         self._claim_cursor = "0-0"
@@ -246,4 +245,4 @@ class GroupReader:
 
     def close(self) -> None:
         self.held.close()
-        self.blocking.close()
+        self.held.pool.disconnect()

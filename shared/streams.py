@@ -61,11 +61,12 @@ def _outlasting(client, block_ms: int) -> dict:
     return kwargs
 
 
-def blocking_client(client: redis.Redis, block_ms: int = 60_000) -> redis.Redis:
-    """A client on its own pool, same server, whose socket timeout outlasts any block we issue."""
+def held_connection(client: redis.Redis, block_ms: int = 60_000) -> HeldConnection:
+    """A connection of its own (on a pool of its own), same server, for a loop's blocking reads:
+    its socket timeout outlasts any block we issue."""
     pool = redis.ConnectionPool(connection_class=client.connection_pool.connection_class,
                                 **_outlasting(client, block_ms))
-    return redis.Redis(connection_pool=pool)
+    return HeldConnection(pool)
 
 
 def async_held_connection(client: aioredis.Redis, block_ms: int = 60_000) -> AsyncHeldConnection:
@@ -309,8 +310,7 @@ class StreamReader:
         self.dlq = dlq or _dlq_of(stream)
         self.refusals = RefusalLog(stream)
         self.dead_letters: list[dict] = []
-        self.blocking = blocking_client(client, max_block_ms)
-        self.held = HeldConnection(self.blocking.connection_pool)  # its reads (shared/direct_pipe.py)
+        self.held = held_connection(client, max_block_ms)  # its reads (shared/direct_pipe.py)
         # resolve "$" now, so entries written between construction and the first read are seen
         self.last_id = self._resolve(start)
 
@@ -373,7 +373,7 @@ class StreamReader:
 
     def close(self) -> None:
         self.held.close()
-        self.blocking.close()
+        self.held.pool.disconnect()
 
 
 class AsyncStreamReader:
