@@ -330,3 +330,25 @@ def test_argmax_rows_answers_as_torch_argmax(kernel, dtype):
         assert got.dtype == torch.int64
         assert torch.equal(got, logits.float().argmax(dim=-1)), vocab
     assert torch.equal(op(logits[:, ::2]), logits[:, ::2].float().argmax(dim=-1))  # a strided view
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_large_batch_answers_each_sequence_as_it_would_alone(kernel, dtype, threads):
+    """A large batch runs as whole-sequence items, each one's rows prepared during the one before
+    and the next gather prefetched while a chunk computes; a single sequence runs as one item per kv
+    head. Same arithmetic per head, so each row of the batch must equal that sequence run alone,
+    bit for bit, whichever thread takes which items."""
+    lens = [300, 1, 17, 256, 257, 513, 40, 2, 600, 128, 129, 5]
+    k_cache, v_cache, block_tables = make_pool(lens, 16, 3, 64, seed=7, dtype=dtype)
+    query = torch.randn(len(lens), 9, 64).to(dtype)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batch = kernel(query, k_cache, v_cache, block_tables, context_lens, 0.125)
+        alone = [kernel(query[i:i + 1], k_cache, v_cache, block_tables[i:i + 1], context_lens[i:i + 1], 0.125)
+                 for i in range(len(lens))]
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(batch, torch.cat(alone))
