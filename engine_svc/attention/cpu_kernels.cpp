@@ -141,18 +141,17 @@ struct LinePrefetcher {
       if (take == left) ++next, offset = 0;
     }
   }
-  void drain() { issue(lines); }
 };
 
 // Per-thread scratch, float32: scores [heads][ctx], queries and accumulators [heads][dim], and one
 // block converted to float32 when the pool holds bf16/fp16.
 struct Scratch {
   std::vector<float> scores, q, acc, inv_sum, block;
-  std::vector<int64_t> rows;      // bfloat16 path: the pool offset of each context position's row
+  std::vector<int64_t> rows;      // AVX-512 paths: the pool offset of each context position's row
   std::vector<uint16_t> weights;  // bfloat16 path: the softmax numerators in bfloat16, [heads][even ctx + 32]
   std::unique_ptr<float[]> gathered;  // AVX-512 paths: kGatherRows rows of K or V out of the pool (bf16 uses half)
-  std::vector<int64_t> next_rows;     // bfloat16 path: `rows` of this thread's next item, prepared ahead
-  LinePrefetcher prefetch;            // bfloat16 path: the next gather's lines, issued while this chunk computes
+  std::vector<int64_t> next_rows;     // AVX-512 paths: `rows` of this thread's next item, prepared ahead
+  LinePrefetcher prefetch;            // AVX-512 paths: the next gather's lines, issued while this chunk computes
   Scratch(int64_t heads, int64_t max_ctx, int64_t dim, int64_t block_size, int64_t row_elems)
       : scores(heads * max_ctx), q(heads * dim), acc(heads * dim), inv_sum(heads), block(block_size * heads * dim),
         rows(max_ctx), weights(heads * (max_ctx + 34)), gathered(new float[kGatherRows * row_elems]),
