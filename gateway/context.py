@@ -17,7 +17,7 @@ from gateway.config import gateway_id, served_model_name
 from gateway.errors import APIError
 from gateway.health import HealthPoller, Readiness, readiness
 from shared.config import GatewayConfig, GatewayLimits
-from shared.heartbeat import hash_age_s, heartbeat_value, parse_heartbeats
+from shared.heartbeat import Punctuality, hash_age_s, heartbeat_value, parse_heartbeats
 from shared.models import load_tokenizer, model_max_len, resolve_model
 from shared.protocol import (GROUP_ENGINE, GROUP_TOKENIZER, Abort, ErrorInfo, FinishReason, GenerateRequest,
                              RequestOutput)
@@ -25,6 +25,8 @@ from shared.streams import AsyncProducer, AsyncStreamReader
 from shared.tracing import Tracing, make_tracing
 
 log = logging.getLogger(__name__)
+
+BEAT_INTERVAL_S = 1.0  # the gateway's heartbeat, and its look at the engines' while it holds requests
 
 
 class GatewayContext:
@@ -57,7 +59,7 @@ class GatewayContext:
         self._tokenizer: asyncio.Future | None = None
         self._background: set[asyncio.Task] = set()
         self._heartbeat: asyncio.Task | None = None
-        self._bus_ok_since: float | None = None  # monotonic: since when this gateway's beats land on time
+        self.punctuality = Punctuality(BEAT_INTERVAL_S)  # whether this gateway's own beats land on time
         self.start_time = time.time()
         self.tracing = tracing
         self.service_id = f"gateway-{self.gateway_id}"
@@ -132,7 +134,7 @@ class GatewayContext:
         except Exception as exc:
             log.warning("abort of %s not sent: %s", request_ids, exc)
 
-    async def _beat_forever(self, interval_s: float = 1.0) -> None:
+    async def _beat_forever(self) -> None:
         """Like every service: a Heartbeat in ps:heartbeat, with the requests this gateway holds;
         and while it holds any, a look at the engines' heartbeats (``fail_if_no_engine``)."""
         while True:
@@ -142,16 +144,14 @@ class GatewayContext:
                                                                 "num_inboxes": self.collector.num_pending,
                                                                 "num_dropped": self.collector.num_dropped},
                                    self.start_time)
-            sent = time.monotonic()
             try:
                 await self.client.hset(self.names.heartbeat, self.service_id, beat)
             except Exception as exc:  # Redis restarting: the next beat will do
-                self._bus_ok_since = None
+                self.punctuality.failed()
                 log.warning("heartbeat not written: %s", exc)
             else:
-                if self._bus_ok_since is None or time.monotonic() - sent > 2.0:  # late: Redis (or we) stalled
-                    self._bus_ok_since = time.monotonic()
-            await asyncio.sleep(interval_s)
+                self.punctuality.landed()  # late (Redis, this process or its host stalled): evidence starts again
+            await asyncio.sleep(BEAT_INTERVAL_S)
 
     async def fail_if_no_engine(self) -> int:
         """With no engine heartbeat younger than ``heartbeat_max_age_s`` (the engines died or were
@@ -162,10 +162,12 @@ class GatewayContext:
         old enough to mean something: no verdict while Redis does not answer, while the heartbeat
         hash is younger than the age limit (just flushed, or Redis restarted empty: the engines
         have not beaten into it yet), or while this gateway's own beats have not landed on time
-        for that long (a stall in progress makes every beat look stale)."""
+        for that long (a stall -- of Redis, of this process or of its whole host -- makes every
+        beat read across it look stale; this check runs first thing after one, before the beat
+        that notices it, so ``Punctuality`` counts an overdue beat as a stall in progress)."""
         max_age = self.limits.heartbeat_max_age_s
         raw = self.health.raw if self.health is not None else None
-        if raw is None or self._bus_ok_since is None or time.monotonic() - self._bus_ok_since < max_age:
+        if raw is None or self.punctuality.healthy_for() < max_age:
             return 0
         if hash_age_s(raw) < max_age or parse_heartbeats(raw, max_age_s=max_age, service="engine"):
             return 0

@@ -22,7 +22,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import redis
 
@@ -116,6 +116,39 @@ def expire_heartbeats(client: redis.Redis, key: str, ttl_s: float) -> list[str]:
     return []
 
 
+class Punctuality:
+    """Whether one service's periodic writes to Redis land on time: ``healthy_for()`` is how long
+    they have succeeded without a failure or a gap. A gap longer than ``max(3 * interval,
+    interval + 2 s)`` between two writes, or since the last one, means a stall (Redis's or this
+    process's -- a host paused, a long step): every heartbeat read across it looks stale, so a
+    reader's staleness verdicts count only once the writes have been on time for long enough."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic):
+        self.max_gap_s = max(3 * interval_s, interval_s + 2.0)
+        self.clock = clock
+        self._healthy_since: float | None = None
+        self._last_ok: float | None = None  # monotonic: when the last write landed
+
+    def healthy_for(self) -> float:
+        """Seconds since the writes began landing on time again (0 after a failure, and while the
+        next write is overdue: a stall is in progress right now)."""
+        now = self.clock()
+        if self._healthy_since is None or self._last_ok is None or now - self._last_ok > self.max_gap_s:
+            return 0.0
+        return now - self._healthy_since
+
+    def landed(self) -> None:
+        now = self.clock()
+        if self._last_ok is not None and now - self._last_ok > self.max_gap_s:
+            self._healthy_since = None  # this write came late: a stall ended just now
+        self._last_ok = now
+        if self._healthy_since is None:
+            self._healthy_since = now
+
+    def failed(self) -> None:
+        self._healthy_since = None
+
+
 class HeartbeatWriter:
     """Writes one service's Heartbeat into the ``ps:heartbeat`` hash at most every ``interval_s``.
 
@@ -138,21 +171,15 @@ class HeartbeatWriter:
         self._next = 0.0
         self._next_expiry = 0.0
         self._epoch: bytes | None = None  # the hash's epoch at the last beat: a new one means it was lost
-        self._healthy_since: float | None = None
-        self._last_ok: float | None = None  # when the last beat was written
-        self._max_gap_s = max(3 * interval_s, interval_s + 2.0)  # beats further apart: a stall
+        self.punctuality = Punctuality(interval_s)
 
     def healthy_for(self) -> float:
-        """Seconds since this writer's beats began succeeding again on time (0 when the last one
-        failed; a beat that came late -- Redis stalled, or this process did -- starts it again)."""
-        now = time.monotonic()
-        if self._healthy_since is None or self._last_ok is None or now - self._last_ok > self._max_gap_s:
-            return 0.0  # no beat for a while: this process or Redis is stalled right now
-        return now - self._healthy_since
+        """Seconds this writer's beats have landed on time (``Punctuality``)."""
+        return self.punctuality.healthy_for()
 
     def failed(self) -> None:
         """The service saw Redis fail: staleness is no evidence until it has had Redis for a while."""
-        self._healthy_since = None
+        self.punctuality.failed()
 
     def beat(self, stats: Mapping[str, float], *, force: bool = False) -> bool:
         now = time.monotonic()
@@ -169,16 +196,12 @@ class HeartbeatWriter:
             log.warning("heartbeat not written: %s", exc)
             self.failed()
             return True
-        now = time.monotonic()
-        if self._last_ok is not None and now - self._last_ok > self._max_gap_s:
-            self._healthy_since = None  # this beat came late: Redis (or this process) stalled meanwhile
-        self._last_ok = now
+        self.punctuality.landed()
         if self._epoch is not None and epoch != self._epoch:
             self.num_losses += 1
             log.warning("%s: the heartbeat hash was re-created: Redis was flushed or restarted empty", self.service_id)
         self._epoch = epoch
-        if self._healthy_since is None:
-            self._healthy_since = now
+        now = time.monotonic()
         if now >= self._next_expiry and self.healthy_for() >= self.ttl_s:
             self._next_expiry = now + self.ttl_s / 4
             try:

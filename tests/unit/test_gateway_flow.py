@@ -17,6 +17,7 @@ import pytest
 from gateway.app import build_app
 from gateway.config import GatewayLimits
 from shared.config import GatewayConfig
+from shared.heartbeat import Punctuality
 from shared.protocol import (ErrorInfo, FinishReason, GenerateRequest, Heartbeat, RequestOutput,
                              TextLogprobs, Usage)
 from tests.unit.doubles import BusFreeContext
@@ -232,10 +233,47 @@ def _hash(*, hash_age_s: float, engine_age_s: float | None) -> dict:
     return raw
 
 
+class _Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _beats(clock: _Clock, *, on_time_s: float | None, overdue_s: float = 0.0) -> Punctuality:
+    """A gateway's own beats: landing every second for ``on_time_s`` (None: the last one failed),
+    the last one ``overdue_s`` ago."""
+    punctuality = Punctuality(1.0, clock=clock)
+    if on_time_s is None:
+        punctuality.failed()
+        return punctuality
+    clock.now -= on_time_s + overdue_s
+    for _ in range(int(on_time_s) + 1):
+        punctuality.landed()
+        clock.now += 1.0
+    clock.now += overdue_s - 1.0
+    return punctuality
+
+
 def test_no_engine_verdict_waits_for_evidence_old_enough_to_mean_something():
     """The gateway fails its requests in flight for want of an engine only when the heartbeat
     hash is older than the age limit (not just flushed or re-created by an empty restart) and its
-    own beats have landed on time for that long (not in a stall), and no engine beat is fresh."""
+    own beats have landed on time for that long (not in a stall, nor just after one), and no
+    engine beat is fresh."""
+    clock = _Clock()
+    cases = [  # (reading, own beats, failed?)
+        (None, dict(on_time_s=60), 0),  # Redis does not answer: nothing to judge
+        (_hash(hash_age_s=2, engine_age_s=None), dict(on_time_s=60), 0),  # just flushed
+        (_hash(hash_age_s=60, engine_age_s=30), dict(on_time_s=3), 0),  # a stall just ended: beats look stale
+        (_hash(hash_age_s=60, engine_age_s=30), dict(on_time_s=None), 0),  # our own beats fail right now
+        # the host was paused: on time for a minute, then nothing for 12 s -- and this check runs
+        # before the beat that would notice it
+        (_hash(hash_age_s=60, engine_age_s=12), dict(on_time_s=60, overdue_s=12), 0),
+        (_hash(hash_age_s=60, engine_age_s=1), dict(on_time_s=60), 0),  # an engine is alive
+        (_hash(hash_age_s=60, engine_age_s=30), dict(on_time_s=60), 1),  # the engines are gone
+    ]
+
     async def scenario():
         ctx = ScriptedContext(GatewayConfig(served_model_name="tiny"), GatewayLimits(heartbeat_max_age_s=10.0),
                               words)
@@ -243,18 +281,9 @@ def test_no_engine_verdict_waits_for_evidence_old_enough_to_mean_something():
         got = []
         ctx.collector.register("r1", type("Inbox", (), {"put": got.append, "resume": got.append})())
         try:
-            now = time.monotonic()
-            cases = [  # (reading, own beats on time since, failed?)
-                (None, now - 60, 0),  # Redis does not answer: nothing to judge
-                (_hash(hash_age_s=2, engine_age_s=None), now - 60, 0),  # just flushed
-                (_hash(hash_age_s=60, engine_age_s=30), now - 3, 0),  # a stall just ended: beats look stale
-                (_hash(hash_age_s=60, engine_age_s=30), None, 0),  # our own beats fail right now
-                (_hash(hash_age_s=60, engine_age_s=1), now - 60, 0),  # an engine is alive
-                (_hash(hash_age_s=60, engine_age_s=30), now - 60, 1),  # the engines are gone
-            ]
             results = []
-            for raw, since, _ in cases:
-                ctx.health, ctx._bus_ok_since = _Reading(raw), since
+            for raw, beats, _ in cases:
+                ctx.health, ctx.punctuality = _Reading(raw), _beats(clock, **beats)
                 results.append(await ctx.fail_if_no_engine())
             return results, got
         finally:
@@ -262,7 +291,7 @@ def test_no_engine_verdict_waits_for_evidence_old_enough_to_mean_something():
             await ctx.close()
 
     results, got = asyncio.run(scenario())
-    assert results == [0, 0, 0, 0, 0, 1]
+    assert results == [failed for _, _, failed in cases]
     assert len(got) == 1 and got[0].error.code == 503 and "no engine is alive" in got[0].error.message
 
 
