@@ -15,6 +15,13 @@
 // matmul (mkldnn::_linear_pointwise), anything else (another dtype, a larger bfloat16 M, K not a
 // multiple of 32, a CPU without AVX-512 and BF16) to at::linear (oneDNN for bfloat16).
 //
+// What oneDNN computes it computes faster from a weight reordered once into its own blocked layout
+// (pack_linear_weight: a handle to the packed copy, held here until release_linear_weight) than
+// from the plain matrix, which it reorders piece by piece on every call. 30 layers' weights, bf16,
+// packed against plain, interleaved: 0.87x the time at 256 rows, 0.85x at 64, 0.76x at 32, 0.84x
+// for a 2,048-token prefill; float32 0.76x at 8 and 32 rows, 0.96x at 256. The price is a second
+// copy of every weight (the plain one stays: the GEMV loop, the AMX tiles and the embedding read it).
+//
 // On a CPU with AMX (Intel Sapphire Rapids and later) bfloat16 rows up to 128 go to cpu_amx.cpp
 // instead: there this loop is compute-bound from 3-4 rows (41 ms for 30 layers' weights at 8 rows,
 // against 10-12 ms through the tiles, which stream at memory speed up to 16 rows and beat oneDNN's
@@ -33,6 +40,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -142,6 +150,75 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const c1
   return stack[0].toTensor();
 }
 
+// The packed weights, by handle (an index; a released slot is reused).
+class PackedWeights {
+ public:
+  int64_t add(const at::Tensor& weight, int64_t batch_size) {
+    static const c10::OperatorHandle reorder =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_reorder_linear_weight", "");
+    torch::jit::Stack stack{weight, batch_size};
+    reorder.callBoxed(&stack);
+    const at::Tensor packed = stack[0].toTensor();
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t i = 0; i < slots_.size(); ++i)
+      if (!slots_[i].packed.defined()) {
+        slots_[i] = {packed, weight.sizes().vec(), weight.scalar_type()};
+        return static_cast<int64_t>(i);
+      }
+    slots_.push_back({packed, weight.sizes().vec(), weight.scalar_type()});
+    return static_cast<int64_t>(slots_.size()) - 1;
+  }
+
+  void release(int64_t handle) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(slots_.size()) && slots_[handle].packed.defined(),
+                "release_linear_weight: no packed weight ", handle);
+    slots_[handle] = Slot{};
+  }
+
+  // The packed copy of `weight` under `handle`; raises unless it was packed from a matrix of
+  // weight's shape and dtype.
+  at::Tensor get(int64_t handle, const at::Tensor& weight) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(slots_.size()) && slots_[handle].packed.defined(),
+                "linear: no packed weight ", handle);
+    const Slot& slot = slots_[handle];
+    TORCH_CHECK(slot.sizes == weight.sizes().vec() && slot.dtype == weight.scalar_type(),
+                "linear: packed weight ", handle, " was packed from another matrix");
+    return slot.packed;
+  }
+
+  int64_t size() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return std::count_if(slots_.begin(), slots_.end(), [](const Slot& s) { return s.packed.defined(); });
+  }
+
+ private:
+  struct Slot {
+    at::Tensor packed;
+    std::vector<int64_t> sizes;
+    at::ScalarType dtype = at::kFloat;
+  };
+  std::mutex mutex_;
+  std::vector<Slot> slots_;
+};
+
+PackedWeights& packed_weights() {
+  static PackedWeights* weights = new PackedWeights();  // never destroyed: no teardown-order hazard at exit
+  return *weights;
+}
+
+int64_t pack_linear_weight(const at::Tensor& weight, int64_t batch_size) {
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat),
+              "pack_linear_weight: a bfloat16 or float32 matrix");
+  TORCH_CHECK(at::hasMKLDNN() && at::globalContext().userEnabledMkldnn(), "pack_linear_weight: oneDNN is off");
+  return packed_weights().add(weight.contiguous(), batch_size);
+}
+
+void release_linear_weight(int64_t handle) { packed_weights().release(handle); }
+
+int64_t num_packed_weights() { return packed_weights().size(); }
+
 bool onednn_takes(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   return at::hasMKLDNN() && at::globalContext().userEnabledMkldnn() && x.numel() > 0 && x.scalar_type() == at::kFloat &&
          weight.scalar_type() == at::kFloat && weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1) &&
@@ -173,8 +250,10 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::
   return y;
 }
 
-// The GEMV loop for a few rows, oneDNN (or at::linear) for the rest: never the tiles.
-at::Tensor vector_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+// The GEMV loop for a few rows, oneDNN (or at::linear) for the rest: never the tiles. With a packed
+// handle (>= 0) the rest goes to oneDNN with that packed copy of weight.
+at::Tensor vector_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                         int64_t packed) {
 #ifdef PAGEDSERVE_BF16_GEMV
   const int64_t K = x.size(-1), N = weight.size(0);
   const int64_t M = K > 0 ? x.numel() / K : 0;
@@ -188,22 +267,29 @@ at::Tensor vector_linear(const at::Tensor& x, const at::Tensor& weight, const c1
     return small_batch_linear<c10::BFloat16>(x, weight, has_bias ? bias->data_ptr<c10::BFloat16>() : nullptr, M);
   }
 #endif
+  if (packed >= 0 && x.numel() > 0 && x.scalar_type() == weight.scalar_type() && x.size(-1) == weight.size(1) &&
+      (!bias.has_value() || !bias->defined() || bias->scalar_type() == weight.scalar_type()))
+    return onednn_linear(x, packed_weights().get(packed, weight), bias);
   return onednn_takes(x, weight, bias) ? onednn_linear(x, weight, bias) : at::linear(x, weight, bias);
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                  int64_t packed) {
   const int64_t K = x.size(-1), M = K > 0 ? x.numel() / K : 0;
   if (pagedserve::amx::available() && amx_takes(x, weight, bias, M)) return amx_linear(x, weight, bias);
-  return vector_linear(x, weight, bias);
+  return vector_linear(x, weight, bias, packed);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
-  m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias, int packed=-1) -> Tensor");
   m.def("linear_amx(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("linear_vector(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("linear_vector(Tensor x, Tensor weight, Tensor? bias, int packed=-1) -> Tensor");
   m.def("amx_available() -> bool", &pagedserve::amx::available);
+  m.def("pack_linear_weight(Tensor weight, int batch_size) -> int", &pack_linear_weight);
+  m.def("release_linear_weight(int handle) -> ()", &release_linear_weight);
+  m.def("num_packed_weights() -> int", &num_packed_weights);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {

@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -98,9 +99,32 @@ def prefill_kernel_for(query, k_cache, v_cache):
 
 
 def linear_op():
-    """torch.ops.pagedserve_cpu.linear (a GEMV loop for a few rows; float32 beyond them through
-    oneDNN's matmul, anything else through at::linear), or None."""
+    """torch.ops.pagedserve_cpu.linear (a GEMV loop for a few rows; beyond them oneDNN's matmul,
+    from the weight's packed copy when given its handle), or None."""
     return torch.ops.pagedserve_cpu.linear if paged_decode_op() is not None else None
+
+
+PACK_ROWS = 256  # the row count oneDNN lays a packed weight out for (any count may use it)
+
+
+class PackedWeights:
+    """Owns the oneDNN-packed copies of one model's matrices (held in cpu_gemv.cpp, by handle):
+    ``handle(name)`` for the linear op, all released with the module that holds them (the weight
+    memory doubles while they live)."""
+
+    def __init__(self, owner, matrices: dict[str, torch.Tensor]):
+        pack = torch.ops.pagedserve_cpu.pack_linear_weight
+        self.handles = {name: pack(weight, PACK_ROWS) for name, weight in matrices.items()}
+        self.nbytes = sum(w.numel() * w.element_size() for w in matrices.values())
+        weakref.finalize(owner, _release, list(self.handles.values()))
+
+    def handle(self, name: str) -> int:
+        return self.handles[name]
+
+
+def _release(handles: list[int]) -> None:
+    for handle in handles:
+        torch.ops.pagedserve_cpu.release_linear_weight(handle)
 
 
 def argmax_op():
@@ -120,7 +144,7 @@ def _load():
         torch.ops.load_library(str(library))
         # shapes for torch.compile: the ops themselves stay opaque inside a compiled graph
         torch.library.register_fake("pagedserve_cpu::linear")(
-            lambda x, weight, bias=None: x.new_empty((*x.shape[:-1], weight.shape[0])))
+            lambda x, weight, bias=None, packed=-1: x.new_empty((*x.shape[:-1], weight.shape[0])))
         return torch.ops.pagedserve_cpu.paged_decode
     except Exception as exc:  # noqa: BLE001 - any failure means "use the torch path", never a crash
         logger.warning("CPU attention kernels unavailable, using the pure-torch path: %s", exc)

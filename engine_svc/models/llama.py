@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import engine_svc.attention.step  # noqa: F401  (registers torch.ops.pagedserve.paged_attention)
+from engine_svc.attention import cpu_ops
 from engine_svc.models.spec import ModelSpec
 from engine_svc.models.weights import SafetensorsWeights
 
@@ -26,16 +27,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype) * weight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cpu_gemv: bool) -> torch.Tensor:
-    """F.linear; on a bfloat16 or float32 CPU model, through cpu_gemv.cpp, which streams the weights
-    faster than oneDNN for the few rows of a decode step and defers to it otherwise (float32 too:
-    F.linear would take MKL's SGEMM, AVX2-only on this AMD CPU)."""
-    return torch.ops.pagedserve_cpu.linear(x, weight, bias) if cpu_gemv else F.linear(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: int | None) -> torch.Tensor:
+    """F.linear; on a bfloat16 or float32 CPU model (``packed``: the handle of weight's oneDNN-packed
+    copy), through cpu_gemv.cpp, which streams the weights faster than oneDNN for the few rows of a
+    decode step and hands the rest to oneDNN with the packed copy (float32 too: F.linear would take
+    MKL's SGEMM, AVX2-only on this AMD CPU)."""
+    return torch.ops.pagedserve_cpu.linear(x, weight, bias, packed) if packed is not None else F.linear(x, weight, bias)
 
 
 def use_cpu_gemv(dtype: torch.dtype, device) -> bool:
-    from engine_svc.attention import cpu_ops
-
     return torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float32) and cpu_ops.linear_op() is not None
 
 
@@ -83,7 +83,6 @@ class DecoderLayer(nn.Module):
         optional = lambda on, names, shapes: (torch.cat([load(n, s) for n, s in zip(names, shapes)])  # noqa: E731
                                               if on else None)
         self.layer, self.spec = i, spec
-        self.cpu_gemv = use_cpu_gemv(dtype, device)
         self.q_size, self.kv_size = nh * d, nkv * d
         self.scale = d**-0.5
         self.attention_id = 0  # the PagedAttention this layer calls (set by the runner: bind_attention)
@@ -106,12 +105,19 @@ class DecoderLayer(nn.Module):
         }
         for name, tensor in tensors.items():
             self.register_buffer(name, None if tensor is None else tensor.contiguous(), persistent=False)
+        # the handles of the matrices' oneDNN-packed copies for the CPU linear op; None: F.linear
+        self.packed_qkv = self.packed_o = self.packed_gate_up = self.packed_down = None
+        if use_cpu_gemv(dtype, device):
+            packed = cpu_ops.PackedWeights(self, {"qkv": self.qkv_w, "o": self.o_w, "gate_up": self.gate_up_w,
+                                                  "down": self.down_w})
+            self.packed_qkv, self.packed_o = packed.handle("qkv"), packed.handle("o")
+            self.packed_gate_up, self.packed_down = packed.handle("gate_up"), packed.handle("down")
 
     def forward(self, hidden, residual, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         spec, eps = self.spec, self.spec.rms_norm_eps
         residual = hidden if residual is None else residual + hidden
         x = rms_norm(residual, self.input_norm, eps)
-        qkv = linear(x, self.qkv_w, self.qkv_b, self.cpu_gemv)
+        qkv = linear(x, self.qkv_w, self.qkv_b, self.packed_qkv)
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, spec.num_heads, spec.head_dim)
@@ -121,10 +127,10 @@ class DecoderLayer(nn.Module):
             q, k = rms_norm(q, self.q_norm, eps), rms_norm(k, self.k_norm, eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn = torch.ops.pagedserve.paged_attention(q, k, v, self.attention_id, self.layer)
-        residual = residual + linear(attn.view(num_tokens, self.q_size), self.o_w, self.o_b, self.cpu_gemv)
+        residual = residual + linear(attn.view(num_tokens, self.q_size), self.o_w, self.o_b, self.packed_o)
         x = rms_norm(residual, self.post_norm, eps)
-        gate, up = linear(x, self.gate_up_w, self.gate_up_b, self.cpu_gemv).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_w, self.down_b, self.cpu_gemv), residual
+        gate, up = linear(x, self.gate_up_w, self.gate_up_b, self.packed_gate_up).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_w, self.down_b, self.packed_down), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -140,7 +146,6 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         h = spec.hidden_size
         self.spec, self.dtype, self.device = spec, dtype, torch.device(device)
-        self.cpu_gemv = use_cpu_gemv(dtype, device)
         self.register_buffer("embed", weights.get("model.embed_tokens.weight", (spec.vocab_size, h)).to(
             device=device, dtype=dtype), persistent=False)
         self.layers = nn.ModuleList(DecoderLayer(spec, weights, i, dtype, device) for i in range(spec.num_layers))
@@ -150,6 +155,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.embed
         else:
             self.lm_head = weights.get("lm_head.weight", (spec.vocab_size, h)).to(device=device, dtype=dtype)
+        self.packed_lm_head = (cpu_ops.PackedWeights(self, {"lm_head": self.lm_head}).handle("lm_head")
+                               if use_cpu_gemv(dtype, device) else None)
         cos, sin = rope_tables(spec, max_positions, dtype, device)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -171,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
         """hidden [n, hidden] (only the rows that sample) -> logits [n, vocab] in the model's dtype (the
         sampler widens them to float32 unless plain greedy rows need only their argmax: at batch 256 the
         copy of a bfloat16 model's logits cost ~4 ms a step here)."""
-        return linear(rms_norm(hidden, self.norm, self.spec.rms_norm_eps), self.lm_head, None, self.cpu_gemv)
+        return linear(rms_norm(hidden, self.norm, self.spec.rms_norm_eps), self.lm_head, None, self.packed_lm_head)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -247,9 +247,11 @@ def test_kv_write_checks_every_slot_before_writing(kernel):
 @pytest.mark.parametrize("num_rows", [1, 3, 8, 9, 16, 17, 24, 33, 40, 64, 65, 128, 129])
 @pytest.mark.parametrize("num_out", [70, 96])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_small_batch_linear_matches_torch(kernel, op, dtype, num_rows, num_out, with_bias):
+@pytest.mark.parametrize("packed", [False, True])
+def test_small_batch_linear_matches_torch(kernel, op, dtype, num_rows, num_out, with_bias, packed):
     """cpu_gemv.cpp and cpu_amx.cpp against a float64 reference on random inputs. linear_vector: the
-    GEMV loop (rows past 8 in tiles; float32 from 8 rows and bfloat16 from 25 go to oneDNN); linear_amx:
+    GEMV loop (rows past 8 in tiles; float32 from 8 rows and bfloat16 from 25 go to oneDNN, from the
+    weight's packed copy when given its handle); linear_amx:
     bfloat16 tiles for up to 128 rows (groups of 32 past 32) and whole blocks of 16 outputs (where the CPU
     has AMX-BF16);
     linear: the tiles where they serve, else linear_vector. The output is fresh, so an unwritten element
@@ -257,6 +259,8 @@ def test_small_batch_linear_matches_torch(kernel, op, dtype, num_rows, num_out, 
     amx_serves = dtype == torch.bfloat16 and num_rows <= 128 and num_out % 16 == 0
     if op == "linear_amx" and not torch.ops.pagedserve_cpu.amx_available():
         pytest.skip("this CPU (or kernel) gives no AMX-BF16 tiles")
+    if op == "linear_amx" and packed:
+        pytest.skip("the tiles read the plain weight: linear_amx takes no packed copy")
     linear = getattr(torch.ops.pagedserve_cpu, op)
     gen = torch.Generator().manual_seed(num_rows)
     x = torch.randn(num_rows, 96, generator=gen).to(dtype)
@@ -266,13 +270,52 @@ def test_small_batch_linear_matches_torch(kernel, op, dtype, num_rows, num_out, 
         with pytest.raises(RuntimeError, match="linear_amx: needs bfloat16"):
             linear(x.view(1, num_rows, 96), weight, bias)
         return
-    out = linear(x.view(1, num_rows, 96), weight, bias)
+    if packed:
+        handle = torch.ops.pagedserve_cpu.pack_linear_weight(weight, 64)
+        try:
+            out = linear(x.view(1, num_rows, 96), weight, bias, handle)
+        finally:
+            torch.ops.pagedserve_cpu.release_linear_weight(handle)
+    else:
+        out = linear(x.view(1, num_rows, 96), weight, bias)
     assert out.shape == (1, num_rows, num_out) and out.dtype == dtype
     ref = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=5e-2)  # bf16: one rounding
     torch.testing.assert_close(out[0].double(), ref, **tol)
     if op == "linear" and amx_serves and torch.ops.pagedserve_cpu.amx_available():
         assert torch.equal(out, torch.ops.pagedserve_cpu.linear_amx(x.view(1, num_rows, 96), weight, bias))
+
+
+def test_packed_weights_are_checked_and_released(kernel, tiny_llama_dir):
+    """A packed copy answers only for a matrix of the shape and dtype it was packed from; a released
+    handle answers for nothing (and is reused); a model's copies are released with the model."""
+    import gc
+
+    from engine_svc.models import load_model
+
+    ops = torch.ops.pagedserve_cpu
+    gc.collect()  # earlier tests' models that are garbage already: theirs go now, not during this test
+    before = ops.num_packed_weights()
+    weight, x = torch.randn(96, 64).bfloat16(), torch.randn(40, 64).bfloat16()
+    handle = ops.pack_linear_weight(weight, 64)
+    assert ops.num_packed_weights() == before + 1
+    with pytest.raises(RuntimeError, match="packed from another matrix"):
+        ops.linear(x.float(), torch.randn(96, 64), None, handle)  # float32: not what was packed
+    with pytest.raises(RuntimeError, match="packed from another matrix"):
+        ops.linear(x, torch.randn(48, 64).bfloat16(), None, handle)
+    ops.release_linear_weight(handle)
+    with pytest.raises(RuntimeError, match="no packed weight"):
+        ops.linear(x, weight, None, handle)
+    with pytest.raises(RuntimeError, match="no packed weight"):
+        ops.release_linear_weight(handle)
+    assert ops.num_packed_weights() == before and ops.pack_linear_weight(weight, 64) == handle  # the slot reused
+    ops.release_linear_weight(handle)
+
+    model = load_model(tiny_llama_dir, dtype=torch.bfloat16, device="cpu")
+    assert ops.num_packed_weights() == before + 4 * len(model.layers) + 1  # four a layer, the LM head
+    del model
+    gc.collect()
+    assert ops.num_packed_weights() == before
 
 
 @pytest.mark.parametrize("num_rows", [70, 128])
