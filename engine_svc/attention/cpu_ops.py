@@ -115,7 +115,6 @@ class PackedWeights:
     def __init__(self, owner, matrices: dict[str, torch.Tensor]):
         pack = torch.ops.pagedserve_cpu.pack_linear_weight
         self.handles = {name: pack(weight, PACK_ROWS) for name, weight in matrices.items()}
-        self.nbytes = sum(w.numel() * w.element_size() for w in matrices.values())
         weakref.finalize(owner, _release, list(self.handles.values()))
 
     def handle(self, name: str) -> int:
