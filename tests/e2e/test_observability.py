@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -86,9 +86,7 @@ def test_summing_every_endpoint_gives_the_exact_totals(two_gateways):
                                       extra_body=no_eos)
     chunks = iter(stream)
     next(chunks)  # the pair runs: a third request waits behind it (max 2 sequences), then its client leaves
-    waiting = threading.Thread(target=_leave_after, args=(stack.second_url, 0.5))
-    waiting.start()
-    waiting.join()
+    _leave_once_queued(stack)
     reasons = {}
     for chunk in chunks:
         for choice in chunk.choices:
@@ -136,11 +134,19 @@ def test_summing_every_endpoint_gives_the_exact_totals(two_gateways):
     assert messages["tokenizer-0"] == 6 and messages["engine-0"] == 5  # the refused one never reached an engine
 
 
-def _leave_after(base_url: str, seconds: float) -> None:
-    """A request whose client gives up after ``seconds`` (the gateway answers it 499: abort)."""
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(base_url + "/v1/completions", timeout=seconds,
-                   json={"model": "tiny", "prompt": [(i * 19) % 500 + 9 for i in range(16)], "max_tokens": 10})
+def _leave_once_queued(stack: Stack) -> None:
+    """A request whose client gives up (the gateway answers it 499: abort) as soon as the engine
+    shows it queued, and long before the pair ahead of it can finish: a client that left after a
+    fixed time was outrun on a fast machine, where the pair finished first and the third request ran."""
+    body = json.dumps({"model": "tiny", "prompt": [(i * 19) % 500 + 9 for i in range(16)], "max_tokens": 10})
+    host, port = stack.second_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as client:
+        client.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                       f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        deadline = time.monotonic() + 30
+        while _scrape(stack.engine_metrics_url).get("num_requests_waiting", 0) < 1:
+            assert time.monotonic() < deadline, "the third request never reached the engine's queue"
+            time.sleep(0.005)
 
 
 def _status(stack: Stack, *extra: str) -> subprocess.CompletedProcess:
