@@ -15,6 +15,7 @@ Block 0 is a reserved null block: it pads block tables and is never read unmaske
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -47,6 +48,14 @@ class AttentionBackend(Protocol):
 
     def copy_blocks(self, k_caches: list, v_caches: list, block_mapping: torch.Tensor) -> None:
         """Copy whole blocks (src, dst) in every layer (copy-on-write)."""
+
+    def decode_kernels(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, meta: AttentionMetadata,
+    ) -> tuple[Callable, Callable] | None:
+        """(write, decode): two callables with reshape_and_cache's and paged_decode's arguments that
+        serve this decode step's tensors (every layer's are of one kind) directly, without the
+        per-call checks, or None when the backend has no such pair (then the methods above run)."""
 
 
 @dataclass(slots=True)

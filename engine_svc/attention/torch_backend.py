@@ -95,6 +95,14 @@ class TorchAttentionBackend:
         for cache in (*k_caches, *v_caches):
             cache.index_copy_(0, dst, cache.index_select(0, src))
 
+    def decode_kernels(self, query, key, value, k_cache, v_cache, meta):
+        """The C++ writer and decode kernel when both serve this step's tensors (CPU), else None."""
+        if query.shape[0] == 0:
+            return None
+        writer = kv_writer_for(key, value, k_cache, meta.slot_mapping)
+        kernel = decode_kernel_for(query, k_cache, v_cache, meta.block_tables, meta.context_lens)
+        return (writer, kernel) if writer is not None and kernel is not None else None
+
     # ------------------------------------------------------------------ reads
     def paged_decode(self, query, k_cache, v_cache, block_tables, context_lens, scale):
         if query.shape[0] == 0:

@@ -11,7 +11,9 @@ import math
 import pytest
 import torch
 
-from engine_svc.attention import TorchAttentionBackend, get_backend
+from engine_svc.attention import TorchAttentionBackend, cpu_ops, get_backend
+from engine_svc.attention.base import AttentionMetadata
+from engine_svc.attention.step import PagedAttention
 from engine_svc.attention.torch_backend import _buckets
 
 BLOCK_SIZE = 4
@@ -146,6 +148,49 @@ def test_metadata_cache_notices_in_place_edits():
     out = backend.paged_decode(query, k_cache, v_cache, block_tables, lens, 1.0)
     torch.testing.assert_close(out[1], reference(query[1:2], dense_k[1][:4], dense_v[1][:4], 1.0)[0],
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(cpu_ops.paged_decode_op() is None, reason="the CPU kernels did not build here")
+def test_decode_kernels_are_chosen_once_a_step_and_serve_every_layer():
+    """The op's per-step path: the backend's (write, decode) pair chosen at the first layer of a
+    step, called directly by the others; each layer's output and pool writes as the reference's,
+    with value a strided view of a fused qkv row (as the model passes it)."""
+    context_lens, num_heads, num_kv_heads, layers = [5, 17, 9], 4, 2, 3
+    k0, v0, block_tables, dense_k0, dense_v0 = make_pool(context_lens, num_kv_heads, seed=20)
+    pools = [(k0 * (1 + layer), v0 - layer, [k * (1 + layer) for k in dense_k0], [v - layer for v in dense_v0])
+             for layer in range(layers)]  # one block table for every layer, as in the engine
+    asked = []
+
+    class Counting(TorchAttentionBackend):
+        def decode_kernels(self, *args):
+            pair = super().decode_kernels(*args)
+            asked.append((args[-1], pair))
+            return pair
+
+    attention = PagedAttention(Counting(), [(k, v) for k, v, *_ in pools], scale=0.25)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(2):
+        lens = [n + step for n in context_lens]
+        slots = torch.tensor([int(block_tables[s, (n - 1) // BLOCK_SIZE]) * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
+                              for s, n in enumerate(lens)], dtype=torch.int64)
+        attention.meta = AttentionMetadata(slot_mapping=slots, block_tables=block_tables,
+                                           context_lens=torch.tensor(lens, dtype=torch.int32),
+                                           query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
+                                           is_decode=True)
+        for layer, (k_cache, v_cache, dense_k, dense_v) in enumerate(pools):
+            qkv = torch.randn(len(lens), (num_heads + 2 * num_kv_heads) * HEAD_DIM, generator=gen)
+            q, k, v = (t.view(len(lens), -1, HEAD_DIM) for t in qkv.split(
+                [num_heads * HEAD_DIM, num_kv_heads * HEAD_DIM, num_kv_heads * HEAD_DIM], dim=-1))
+            assert not v.is_contiguous()
+            out = torch.ops.pagedserve.paged_attention(q, k, v, attention.binding_id, layer)
+            for s, n in enumerate(lens):
+                dense_k[s], dense_v[s] = torch.cat([dense_k[s][: n - 1], k[s : s + 1]]), torch.cat(
+                    [dense_v[s][: n - 1], v[s : s + 1]])
+                torch.testing.assert_close(out[s], reference(q[s : s + 1], dense_k[s], dense_v[s], 0.25)[0],
+                                           atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(v_cache.view(-1, num_kv_heads, HEAD_DIM)[slots[s]], v[s])
+    assert len(asked) == 2 and asked[0][0] is not asked[1][0]  # once a step, not once a layer
+    assert all(pair is not None for _, pair in asked)  # the C++ pair, not the checked methods
 
 
 def test_get_backend():
