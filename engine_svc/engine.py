@@ -14,7 +14,7 @@ from engine_svc.config import EngineConfig
 from engine_svc.iteration_stats import IterationStats
 from engine_svc.kv_pool import KVConnector, KVTransferError
 from engine_svc.request import Request
-from engine_svc.sampler import Sampler, skip_draws
+from engine_svc.sampler import Sampler
 from engine_svc.scheduler import Scheduler
 from engine_svc.structured.manager import GrammarManager
 from shared.protocol import (Admission, ErrorInfo, FinishReason, ProtocolError, SamplingParams, TokenDelta,
@@ -305,6 +305,14 @@ class LLMEngine:
                 for out in result.outputs:
                     out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         return [results[r] for r in order]
+
+
+def skip_draws(generator, num_draws: int, vocab_size: int) -> None:
+    """Advance a seeded sequence's generator as ``num_draws`` sampling steps did: the sampler draws
+    one float32 row of exponential noise over the vocabulary per sampled token (Sampler._sample)."""
+    noise = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
+    for _ in range(num_draws):
+        noise.exponential_(generator=generator)
 
 
 def _broadcast(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:

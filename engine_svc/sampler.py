@@ -7,7 +7,6 @@ from collections.abc import Sequence
 
 import torch
 
-from engine_svc.attention import cpu_ops
 from engine_svc.scheduler_output import SampleRow, SamplerOutput
 from shared.protocol import TokenLogprobs
 
@@ -118,24 +117,17 @@ class Sampler:
         if self.use_flashinfer and logits.is_cuda and all(r.generator is None for r in requests):
             return self._sample_flashinfer(logits, requests)
         raw = logits
-        temps = [1.0 if g else r.params.temperature for g, r in zip(greedy, requests)]
-        kernel = cpu_ops.sample_op() if logits.is_cpu and logits.dtype in (torch.float32, torch.bfloat16) else None
-        filtered = any(r.params.min_p > 0.0 or (r.params.top_k or 0) > 0 or r.params.top_p < 1.0 for r in requests)
-        if kernel is not None and not filtered:  # plain temperature: the kernel scales as it reads
-            sampled = kernel(logits, 1.0 / torch.tensor(temps, dtype=torch.float32), _uniforms(requests))
-        else:
-            logits = logits / torch.tensor(temps, dtype=logits.dtype, device=logits.device).unsqueeze(1)
-            logits = _min_p(logits, requests)
-            logits = _top_k_top_p(logits, requests)
-            if kernel is not None:
-                sampled = kernel(logits, torch.ones(len(requests)), _uniforms(requests))
-            else:
-                probs = logits.softmax(dim=-1)
-                noise = torch.empty_like(probs).exponential_()
-                for i, request in enumerate(requests):
-                    if request.generator is not None:
-                        noise[i].exponential_(generator=request.generator)
-                sampled = (probs / noise).argmax(dim=-1)  # the exponential race: one draw from probs
+        temps = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, requests)],
+                             dtype=logits.dtype, device=logits.device)
+        logits = logits / temps.unsqueeze(1)
+        logits = _min_p(logits, requests)
+        logits = _top_k_top_p(logits, requests)
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        for i, request in enumerate(requests):
+            if request.generator is not None:
+                noise[i].exponential_(generator=request.generator)
+        sampled = (probs / noise).argmax(dim=-1)  # the exponential race: one draw from probs
         if not any(greedy):
             return sampled
         return torch.where(torch.tensor(greedy, device=logits.device), _argmax(raw), sampled)
@@ -190,35 +182,14 @@ def _plain_greedy(requests: list[SampleRow]) -> bool:
                for r in requests)
 
 
-def skip_draws(generator: torch.Generator, num_draws: int, vocab_size: int) -> None:
-    """Advance a seeded sequence's generator as ``num_draws`` sampling steps did (a resumed request's
-    draws already made elsewhere): on CPU one uniform per token (_uniforms), else one float32 row of
-    exponential noise over the vocabulary (the exponential race in Sampler._sample)."""
-    if generator.device.type == "cpu" and cpu_ops.sample_op() is not None:
-        for _ in range(num_draws):
-            torch.rand((), generator=generator)
-        return
-    noise = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
-    for _ in range(num_draws):
-        noise.exponential_(generator=generator)
-
-
-def _uniforms(requests: list[SampleRow]) -> torch.Tensor:
-    """One uniform in [0, 1) per row: a seeded row's from its own generator (so that its draws do
-    not depend on the batch it is in), the others' from the default one."""
-    u = torch.rand(len(requests))
-    for i, request in enumerate(requests):
-        if request.generator is not None:
-            u[i] = torch.rand((), generator=request.generator)
-    return u
-
-
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(dim=-1); CPU float32 or bfloat16 rows through the C++ op (cpu_sampling.cpp, same
     answers, ~5x faster for a batch of 256 here)."""
     if (logits.is_cpu and logits.dtype in (torch.float32, torch.bfloat16) and logits.dim() == 2
             and logits.shape[1] > 0):
-        op = cpu_ops.argmax_op()
+        from engine_svc.attention.cpu_ops import argmax_op
+
+        op = argmax_op()
         if op is not None:
             return op(logits)
     return logits.argmax(dim=-1)

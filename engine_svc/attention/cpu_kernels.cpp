@@ -81,7 +81,26 @@ inline void accumulate(const float* __restrict w, const float* __restrict rows, 
   }
 }
 
-using pagedserve_simd::exp_nonpos;
+// exp(x) for x <= 0 (scores minus their max), Cephes-style: 2^k * p(r), |rel err| < 2e-7.
+// Branch-free integer/float code that g++ turns into SIMD lanes (with -fno-trapping-math, which lets
+// it turn the clamp into a select; it changes no result and sets no FP mode, unlike -ffast-math).
+inline float exp_nonpos(float x) {
+  x = std::max(x, -87.0f);
+  const float round = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer, branch-free
+  const float k = (x * 1.44269504088896341f + round) - round;
+  const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
 
 struct Shape {
   int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, num_blocks;

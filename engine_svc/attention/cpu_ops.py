@@ -131,12 +131,6 @@ def argmax_op():
     return torch.ops.pagedserve_cpu.argmax_rows if paged_decode_op() is not None else None
 
 
-def sample_op():
-    """torch.ops.pagedserve_cpu.sample_rows (one draw per row from softmax(logits / temperature), by
-    the inverse of its distribution function: no random number per vocabulary entry), or None."""
-    return torch.ops.pagedserve_cpu.sample_rows if paged_decode_op() is not None else None
-
-
 def bitmask_op():
     """torch.ops.pagedserve_cpu.apply_token_bitmask (structured outputs' logits mask), or None."""
     return torch.ops.pagedserve_cpu.apply_token_bitmask if paged_decode_op() is not None else None
@@ -230,6 +224,6 @@ def _torch_libs() -> list[str]:
     return [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-lc10", "-ltorch_cpu", "-ltorch"]
 
 
-__all__ = ["enabled", "paged_decode_op", "decode_kernel_for", "kv_writer_for", "prefill_kernel_for", "linear_op", "sample_op",
+__all__ = ["enabled", "paged_decode_op", "decode_kernel_for", "kv_writer_for", "prefill_kernel_for", "linear_op",
            "argmax_op", "bitmask_op", "build", "cache_dir",
            "prebuild", "prebuilt"]

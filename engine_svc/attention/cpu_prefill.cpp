@@ -19,7 +19,7 @@
 // pair) and no rounding anywhere: scores, weights and values stay float32.
 // Slots past a sequence's context are never read. Items run longest first on a dynamic schedule:
 // the rows near a prompt's end read the most keys. The polynomial of exp512_nonpos is
-// cpu_simd.h's exp_nonpos (Cephes), on 16 lanes.
+// cpu_kernels.cpp's exp_nonpos (Cephes), on 16 lanes.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

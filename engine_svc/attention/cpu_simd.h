@@ -1,36 +1,6 @@
-// Helpers shared by the CPU kernels (cpu_kernels.cpp, cpu_prefill.cpp, cpu_amx_prefill.cpp, cpu_sampling.cpp): a scalar
-// exp for any build, AVX-512 ones where the build has it; header-only, so each translation unit gets its own inline copy.
-// Part of the build's hash (cpu_ops.HEADERS).
+// AVX-512 helpers shared by the CPU kernels (cpu_kernels.cpp, cpu_prefill.cpp, cpu_amx_prefill.cpp); header-only, so each
+// translation unit gets its own inline copy. Part of the build's hash (cpu_ops.HEADERS).
 #pragma once
-
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-
-namespace pagedserve_simd {
-
-// exp(x) for x <= 0 (scores minus their max), Cephes-style: 2^k * p(r), |rel err| < 2e-7.
-// Branch-free integer/float code that g++ turns into SIMD lanes (with -fno-trapping-math, which lets
-// it turn the clamp into a select; it changes no result and sets no FP mode, unlike -ffast-math).
-inline float exp_nonpos(float x) {
-  x = std::max(x, -87.0f);
-  const float round = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer, branch-free
-  const float k = (x * 1.44269504088896341f + round) - round;
-  const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-}  // namespace pagedserve_simd
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -43,7 +13,7 @@ inline const __m512i kInterleaveLo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44
 inline const __m512i kInterleaveHi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
                                                       55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
 
-// exp(x) for x <= 0 on 16 lanes: the Cephes-style polynomial of exp_nonpos (above), scaled by 2^k with VSCALEFPS.
+// exp(x) for x <= 0 on 16 lanes: the Cephes-style polynomial of exp_nonpos (cpu_kernels.cpp), scaled by 2^k with VSCALEFPS.
 inline __m512 exp512_nonpos(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),

@@ -375,55 +375,6 @@ def test_argmax_rows_answers_as_torch_argmax(kernel, dtype):
     assert torch.equal(op(logits[:, ::2]), logits[:, ::2].float().argmax(dim=-1))  # a strided view
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("vocab", [5, 16, 37, 1000])
-def test_sample_rows_draws_from_softmax_over_temperature(kernel, dtype, vocab):
-    """Temperature sampling (cpu_sampling.cpp): 40,000 draws of one row at temperature 0.7, half its
-    entries masked to -inf, against softmax(x / 0.7) by a chi-square test (p = 0.001); a masked
-    entry is never drawn, not even for a uniform just below 1."""
-    op = cpu_ops.sample_op()
-    gen = torch.Generator().manual_seed(vocab)
-    x = (torch.randn(vocab, generator=gen) * 2).to(dtype)
-    masked = torch.rand(vocab, generator=gen) < 0.5
-    masked[int(x.float().argmax())] = False
-    x[masked] = -math.inf
-    draws = 40_000
-    uniforms = torch.rand(draws, generator=gen)
-    uniforms[:3] = torch.tensor([0.0, 0.99999994, 0.5])
-    got = op(x.expand(draws, vocab).contiguous(), torch.full((draws,), 1 / 0.7), uniforms)
-    assert got.dtype == torch.int64 and not masked[got].any()
-    counts = torch.bincount(got, minlength=vocab).double()
-    expected = (x.double() / 0.7).softmax(-1) * draws
-    kept = expected > 5  # the classes a chi-square test can judge; the rest pooled into one
-    chi2 = ((counts[kept] - expected[kept]) ** 2 / expected[kept]).sum()
-    rest = expected[~kept & ~masked].sum()
-    if rest > 5:
-        chi2 += (counts[~kept & ~masked].sum() - rest) ** 2 / rest
-    dof = int(kept.sum()) - (0 if rest > 5 else 1)
-    assert chi2 < {0: 10.8, 1: 10.8, 2: 13.8, 3: 16.3}.get(dof, dof + 3.1 * (2 * dof) ** 0.5 + 5), (chi2, dof)
-
-
-def test_sample_rows_edge_rows(kernel):
-    """A single allowed entry is always drawn; rows argmax decides instead (a NaN, +inf, nothing
-    allowed) answer as argmax; each row keeps its own temperature; bad arguments are refused."""
-    op = cpu_ops.sample_op()
-    x = torch.full((5, 40), -math.inf)
-    x[0, 33] = 1.0
-    x[1] = torch.arange(40.0)
-    x[1, 7] = math.nan
-    x[2] = torch.arange(40.0)
-    x[2, 11] = math.inf
-    x[4] = torch.arange(40.0) * 50  # at temperature 0.01 the max takes all the mass
-    got = op(x, torch.tensor([1.0, 1.0, 1.0, 1.0, 100.0]), torch.tensor([0.999, 0.3, 0.3, 0.3, 0.0]))
-    assert got.tolist() == [33, 7, 11, 0, 39]
-    with pytest.raises(RuntimeError, match="inverse temperature"):
-        op(x, torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0]), torch.zeros(5))
-    with pytest.raises(RuntimeError, match="uniform"):
-        op(x, torch.ones(5), torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0]))
-    with pytest.raises(RuntimeError, match="float32"):
-        op(x, torch.ones(4), torch.zeros(4))
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_large_batch_answers_each_sequence_as_it_would_alone(kernel, dtype, threads):

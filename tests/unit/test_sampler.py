@@ -102,19 +102,6 @@ def test_sampling_distribution_matches_softmax():
     assert chi2 < 16.3  # chi-square, 3 degrees of freedom, p = 0.001
 
 
-def test_filtered_sampling_draws_from_the_renormalised_top_k():
-    """Temperature, then top-k (the filtered path: the logits are scaled and masked before the draw)."""
-    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5]])
-    req = make_requests([SamplingParams(temperature=0.5, top_k=3, seed=0)])[0]
-    counts = torch.zeros(6)
-    for _ in range(4000):
-        counts[sample(logits, [req]).token_ids[0]] += 1
-    assert counts[3:].sum() == 0
-    expected = (logits[0, :3] / 0.5).softmax(-1) * 4000
-    chi2 = ((counts[:3] - expected) ** 2 / expected).sum().item()
-    assert chi2 < 13.8  # chi-square, 2 degrees of freedom, p = 0.001
-
-
 def test_a_mixed_batch_greedy_rows_take_the_argmax_and_seeded_rows_draw_as_alone():
     torch.manual_seed(4)
     logits = torch.randn(4, VOCAB) * 2
