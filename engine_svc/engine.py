@@ -106,9 +106,10 @@ class LLMEngine:
 
         A resumed request (failover: its engine died) brings the output tokens already delivered:
         they are re-prefilled after the prompt as outputs (max_tokens, min_tokens, penalties and
-        usage count them), its deltas go on at ``resumed_seq``, and a seeded sequence's generator
-        is advanced past the draws that sampled them, so the continuation is the one the dead
-        engine would have produced.
+        usage count them), its deltas go on at ``resumed_seq``, and a seeded sequence draws on
+        from its next position (on CPU its noise is keyed on the position, engine_svc/race.py; on
+        an accelerator its generator is advanced past the draws that sampled them), so the
+        continuation is the one the dead engine would have produced.
 
         A request past its ``deadline`` (unix time, 0: none) is refused with a 503 before anything else.
 

@@ -88,6 +88,12 @@ class Request:
         return (self.request_id, self.index)
 
     @property
+    def seed(self) -> int | None:
+        """The seed this sequence draws with: its request's plus its index (n > 1), so that child
+        ``index`` draws as a lone request seeded ``seed + index`` would."""
+        return None if self.params.seed is None else (self.params.seed + self.index) & 0xFFFF_FFFF_FFFF_FFFF
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -125,8 +131,10 @@ class Request:
 
 
 def make_generator(seed: int | None, index: int, device: str | torch.device = "cpu") -> torch.Generator | None:
-    """Child ``index`` of a seeded request draws as a lone request seeded ``seed + index`` would."""
-    if seed is None:
+    """A seeded sequence's torch.Generator on an accelerator (child ``index`` of a seeded request
+    draws as a lone request seeded ``seed + index`` would). None on CPU, where the sampler keys
+    its noise on the sequence's seed and output position instead (engine_svc/race.py)."""
+    if seed is None or torch.device(device).type == "cpu":
         return None
     generator = torch.Generator(device=device)
     generator.manual_seed((seed + index) & 0xFFFF_FFFF_FFFF_FFFF)

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine_svc.race import race_rows, row_keys
 from engine_svc.scheduler_output import SampleRow, SamplerOutput
 from shared.protocol import TokenLogprobs
 
@@ -14,8 +15,9 @@ from shared.protocol import TokenLogprobs
 class Sampler:
     """A function of (logits, the sample rows of a plan) -> tokens, keyed by sequence.
 
-    Logprobs come from the raw logits, before any processing. A seeded sequence draws its noise
-    only from its own generator, so its tokens do not depend on the batch around it. Sorting
+    Logprobs come from the raw logits, before any processing. A seeded sequence's noise comes from
+    its seed and output position alone on CPU (engine_svc/race.py), from its own generator on an
+    accelerator, so its tokens do not depend on the batch around it. Sorting
     happens only for rows that ask for top-p.
     """
 
@@ -122,12 +124,15 @@ class Sampler:
         logits = logits / temps.unsqueeze(1)
         logits = _min_p(logits, requests)
         logits = _top_k_top_p(logits, requests)
-        probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
-        for i, request in enumerate(requests):
-            if request.generator is not None:
-                noise[i].exponential_(generator=request.generator)
-        sampled = (probs / noise).argmax(dim=-1)  # the exponential race: one draw from probs
+        if logits.is_cpu:  # the race over counter-based noise, in C++
+            sampled = race_rows(logits, *row_keys([r.seed for r in requests], [r.num_output_tokens for r in requests]))
+        else:
+            probs = logits.softmax(dim=-1)
+            noise = torch.empty_like(probs).exponential_()
+            for i, request in enumerate(requests):
+                if request.generator is not None:
+                    noise[i].exponential_(generator=request.generator)
+            sampled = (probs / noise).argmax(dim=-1)  # the exponential race: one draw from probs
         if not any(greedy):
             return sampled
         return torch.where(torch.tensor(greedy, device=logits.device), _argmax(raw), sampled)

@@ -265,6 +265,7 @@ class Scheduler:
                          history=tuple(request.token_ids) if params.uses_history else (),
                          ban_stop=request.num_output_tokens < params.min_tokens,
                          beam_candidates=beam.search.num_candidates if beam is not None else 0,
+                         seed=request.seed, num_output_tokens=request.num_output_tokens,
                          generator=request.generator, matcher=request.matcher)
 
     def _fork_children(self, parent: Request, num_computed: int) -> list[Request]:

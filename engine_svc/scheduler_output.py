@@ -40,8 +40,10 @@ class SampleRow:
 
     ``history`` (prompt then outputs) is filled only when a penalty reads it; ``ban_stop`` is set
     while ``min_tokens`` is not reached; ``beam_candidates`` > 0 asks for that many best
-    (token, logprob) pairs instead of a sample (beam search chooses itself). ``generator`` is the
-    sequence's own RNG (a seeded request), or None; ``matcher`` its grammar state (structured
+    (token, logprob) pairs instead of a sample (beam search chooses itself). ``seed`` is the
+    sequence's seed (Request.seed) and ``num_output_tokens`` its position: a CPU draw keys its
+    noise on the two (engine_svc/race.py). ``generator`` is a seeded sequence's RNG on an
+    accelerator, or None; ``matcher`` its grammar state (structured
     outputs), or None. The sampler only reads them: it draws from the generator and asks the
     matcher which tokens are allowed; the scheduler advances the matcher.
     """
@@ -53,6 +55,8 @@ class SampleRow:
     history: tuple[int, ...] = ()
     ban_stop: bool = False
     beam_candidates: int = 0
+    seed: int | None = None
+    num_output_tokens: int = 0
     generator: Any = None  # torch.Generator: the scheduler never calls it, the sampler draws from it
     matcher: Any = None  # structured.Matcher
 

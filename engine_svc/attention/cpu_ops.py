@@ -1,6 +1,6 @@
 """Builds and loads the C++ CPU kernels on first use: cpu_kernels.cpp (paged decode attention),
 the KV write, cpu_prefill.cpp (paged prefill attention, bfloat16 and float32), cpu_gemv.cpp (the small-batch linear layer),
-cpu_bitmask.cpp (structured outputs' logits mask) and cpu_sampling.cpp (greedy sampling's argmax);
+cpu_bitmask.cpp (structured outputs' logits mask) and cpu_sampling.cpp (sampling: greedy's argmax, the race at temperature > 0);
 on a CPU with AMX-BF16, cpu_amx.cpp (the linear layer for up to 64 rows) and cpu_amx_prefill.cpp
 (bfloat16 prefill attention) on the tile units, chosen at run time inside the ops (the AVX512-BF16
 build compiles them; ``amx_available`` says whether this CPU and kernel grant the tiles).
@@ -131,6 +131,11 @@ def argmax_op():
     return torch.ops.pagedserve_cpu.argmax_rows if paged_decode_op() is not None else None
 
 
+def race_op():
+    """torch.ops.pagedserve_cpu.race_rows (sampling's race over counter-based noise, engine_svc/race.py), or None."""
+    return torch.ops.pagedserve_cpu.race_rows if paged_decode_op() is not None else None
+
+
 def bitmask_op():
     """torch.ops.pagedserve_cpu.apply_token_bitmask (structured outputs' logits mask), or None."""
     return torch.ops.pagedserve_cpu.apply_token_bitmask if paged_decode_op() is not None else None
@@ -225,5 +230,5 @@ def _torch_libs() -> list[str]:
 
 
 __all__ = ["enabled", "paged_decode_op", "decode_kernel_for", "kv_writer_for", "prefill_kernel_for", "linear_op",
-           "argmax_op", "bitmask_op", "build", "cache_dir",
+           "argmax_op", "bitmask_op", "race_op", "build", "cache_dir",
            "prebuild", "prebuilt"]

@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -117,8 +118,92 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Sampling at temperature > 0: the Gumbel-max race over counter-based noise (engine_svc/race.py
+// holds the definition and its pure-torch twin). Element j of a row draws the 52-bit integer k_j
+// from (key, counter, j) alone, so a seeded sequence's token depends on nothing but its seed, its
+// output position and its logits; d_j = (2 k_j + 1) 2^-53 is uniform on (0, 1), E_j = -log1p(-d_j)
+// an exponential variate, and the row's token is the first j with the largest
+//
+//   score_j = (logit_j - max) - log(E_j)        (in double; logits already divided by temperature)
+//
+// Computing two logarithms per element would cost more than the forward at large batch, so each
+// element is first bounded without them: E_j >= d_j and d_j >= 2^(msb(2 k_j + 1) - 53), hence
+// -log(E_j) <= ln 2 * (53 - msb(2 k_j + 1)). An element whose bound cannot reach the best exact
+// score so far is skipped; the few left (those with a large logit or an extreme draw) are scored
+// exactly. The skipped ones could not have won, so the answer is the full race's.
+
+inline uint64_t mix64(uint64_t x) {  // SplitMix64's finaliser
+  x ^= x >> 30;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 27;
+  x *= 0x94D049BB133111EBull;
+  x ^= x >> 31;
+  return x;
+}
+
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
+constexpr uint64_t kCounterSalt = 0xD6E8FEB86659FD93ull;
+constexpr double kLn2 = 0.6931471805599453;
+
+inline uint64_t row_base(uint64_t key, uint64_t counter) { return mix64(key + mix64(counter ^ kCounterSalt)); }
+
+inline double exact_score(float shifted, uint64_t odd) {
+  const double d = static_cast<double>(odd) * 0x1p-53;
+  return static_cast<double>(shifted) - std::log(-std::log1p(-d));
+}
+
+int64_t row_race(const float* x, int64_t n, uint64_t key, uint64_t counter) {
+  float top = -std::numeric_limits<float>::infinity();
+  int64_t top_at = -1;
+  for (int64_t j = 0; j < n; ++j)
+    if (x[j] > top) top = x[j], top_at = j;
+  if (top_at < 0) return 0;  // nothing finite (or NaN only): as the torch twin's argmax of -inf/NaN
+  const uint64_t base = row_base(key, counter);
+  auto odd_at = [base](int64_t j) { return ((mix64(base + static_cast<uint64_t>(j + 1) * kGolden) >> 12) << 1) | 1; };
+  // the row's largest logit first: its exact score makes a high bar at once
+  double best = exact_score(0.0f, odd_at(top_at));
+  int64_t best_at = top_at;
+  for (int64_t j = 0; j < n; ++j) {
+    const float shifted = x[j] - top;
+    if (!(shifted > -std::numeric_limits<float>::infinity()) || j == top_at) continue;  // masked (or NaN)
+    const uint64_t odd = odd_at(j);
+    const double bound = static_cast<double>(shifted) + kLn2 * (53 - (63 - __builtin_clzll(odd)));
+    if (bound + 1e-6 < best) continue;  // cannot reach the best even with its noise's largest value
+    const double score = exact_score(shifted, odd);
+    if (score > best || (score == best && j < best_at)) best = score, best_at = j;
+  }
+  return best_at;
+}
+
+at::Tensor race_rows(const at::Tensor& logits, const at::Tensor& keys, const at::Tensor& counters) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.device().is_cpu(),
+              "race_rows: float32 2-D CPU logits");
+  TORCH_CHECK(keys.scalar_type() == at::kLong && counters.scalar_type() == at::kLong && keys.dim() == 1 &&
+                  counters.dim() == 1 && keys.size(0) == logits.size(0) && counters.size(0) == logits.size(0),
+              "race_rows: one int64 key and counter per row");
+  const at::Tensor x = logits.contiguous(), k = keys.contiguous(), c = counters.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* ids = out.data_ptr<int64_t>();
+  const float* data = x.data_ptr<float>();
+  const int64_t* kd = k.data_ptr<int64_t>();
+  const int64_t* cd = c.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      ids[r] = row_race(data + r * n, n, static_cast<uint64_t>(kd[r]), static_cast<uint64_t>(cd[r]));
+  });
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) { m.def("argmax_rows(Tensor logits) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+  m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def("race_rows(Tensor logits, Tensor keys, Tensor counters) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("argmax_rows", &argmax_rows); }
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+  m.impl("argmax_rows", &argmax_rows);
+  m.impl("race_rows", &race_rows);
+}

@@ -28,7 +28,8 @@ def rows_for(requests):
     """The sample rows a scheduler would plan for these sequences, one logits row each."""
     return [SampleRow(r.key, i, r.params, r.num_prompt_tokens,
                       history=tuple(r.token_ids) if r.params.uses_history else (),
-                      ban_stop=r.num_output_tokens < r.params.min_tokens, generator=r.generator)
+                      ban_stop=r.num_output_tokens < r.params.min_tokens, seed=r.seed,
+                      num_output_tokens=r.num_output_tokens, generator=r.generator)
             for i, r in enumerate(requests)]
 
 
@@ -92,14 +93,18 @@ def test_seeded_rows_ignore_the_batch():
 
 
 def test_sampling_distribution_matches_softmax():
+    """One seeded sequence's draws over its positions, and unseeded draws, follow softmax(logits)."""
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
-    req = make_requests([SamplingParams(temperature=1.0, seed=0)])[0]
-    counts = torch.zeros(4)
-    for _ in range(4000):
-        counts[sample(logits, [req]).token_ids[0]] += 1
     expected = logits.softmax(-1)[0] * 4000
-    chi2 = ((counts - expected) ** 2 / expected).sum().item()
-    assert chi2 < 16.3  # chi-square, 3 degrees of freedom, p = 0.001
+    for params in (SamplingParams(temperature=1.0, seed=0), SamplingParams(temperature=1.0)):
+        req = make_requests([params])[0]
+        counts = torch.zeros(4)
+        for _ in range(4000):
+            token = sample(logits, [req]).token_ids[0]
+            counts[token] += 1
+            req.token_ids.append(token)  # the next draw is the sequence's next position
+        chi2 = ((counts - expected) ** 2 / expected).sum().item()
+        assert chi2 < 16.3  # chi-square, 3 degrees of freedom, p = 0.001
 
 
 def test_a_mixed_batch_greedy_rows_take_the_argmax_and_seeded_rows_draw_as_alone():
