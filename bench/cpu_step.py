@@ -9,7 +9,8 @@ Limits, measured first:
 
 Then the engine (default model, compiled unless --enforce-eager), each step timed alone:
 - decode at batch 1 and batch 256 (prompts of 128 tokens, ignore_eos): median step time, against
-  the memory floor (batch 1) and as a share of the ceiling (2 x parameters x tokens / time);
+  the memory floor (batch 1) and as a share of the ceiling (2 x parameters x tokens / time); batch
+  256 again at temperature 1.0 (the sampler's draw on top of the forward; no target);
 - prefill of one 2,048-token prompt: time to the first token, as a share of the ceiling.
 The run sets OMP_NUM_THREADS to the CPUs it may use (as the engine service does) and never PASSIVE.
 """
@@ -54,9 +55,10 @@ def weight_bytes(engine: LLMEngine) -> tuple[int, int]:
     return params * mats[0].element_size(), params
 
 
-def decode_steps(engine: LLMEngine, batch: int, steps: int = 24, prompt_len: int = 128) -> float:
+def decode_steps(engine: LLMEngine, batch: int, steps: int = 24, prompt_len: int = 128,
+                 temperature: float = 0.0) -> float:
     """Median seconds of a pure decode step with `batch` sequences running."""
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)  # outlives the prefills
+    params = SamplingParams(temperature=temperature, max_tokens=steps + 40, ignore_eos=True)  # outlives the prefills
     for i in range(batch):
         engine.add_request(f"d{batch}-{i}", [(7 * i + j) % 3000 + 100 for j in range(prompt_len)], params)
     times = []
@@ -103,6 +105,8 @@ def main() -> None:
     print(f"decode batch 1: {step1 * 1e3:.2f} ms", flush=True)
     step256 = decode_steps(engine, 256, steps=12)
     print(f"decode batch 256: {step256 * 1e3:.1f} ms", flush=True)
+    sampled256 = decode_steps(engine, 256, steps=12, temperature=1.0)
+    print(f"decode batch 256, temperature 1.0: {sampled256 * 1e3:.1f} ms", flush=True)
     prefill = prefill_seconds(engine)
     share = lambda tokens, s: 2 * params * tokens / s / 1e9 / ceiling  # noqa: E731
     print_table(f"in-process engine, {args.dtype}, {'eager' if args.enforce_eager else 'compiled'}",
@@ -111,6 +115,8 @@ def main() -> None:
                   f"{step1 / floor:.2f}x floor", "<= 2x", target(step1 <= 2 * floor)],
                  ["decode step, batch 256", f"{step256 * 1e3:.1f} ms", f"ceiling {ceiling:.0f} GFLOP/s",
                   f"{share(256, step256):.0%}", ">= 60%", target(share(256, step256) >= 0.6)],
+                 ["... at temperature 1.0", f"{sampled256 * 1e3:.1f} ms", f"greedy {step256 * 1e3:.1f} ms",
+                  f"{sampled256 / step256:.2f}x greedy", "", ""],
                  ["prefill, 2,048 tokens", f"{prefill:.2f} s", f"ceiling {ceiling:.0f} GFLOP/s",
                   f"{share(2048, prefill):.0%}", ">= 60%", target(share(2048, prefill) >= 0.6)]])
     print(f"\nweights streamed per step: {nbytes / 1e6:.0f} MB ({params / 1e6:.1f}M matmul parameters)")

