@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from shared.heartbeat import parse_heartbeats
 from shared.protocol import GROUP_DECODE, GROUP_ENGINE, GROUP_TOKENIZER, Heartbeat, StreamNames
@@ -195,6 +196,17 @@ class Stack:
 
     def engine_stats(self) -> dict[str, float]:
         return self.heartbeats()["engine-0"].stats
+
+    def engine_counters(self) -> dict[str, float]:
+        """The engine's counters, live from its own /metrics: name (phase label appended) -> value."""
+        text = httpx.get(self.engine_metrics_url, timeout=5).text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    name = sample.name.removeprefix("pagedserve:")
+                    out[f"{name}:{sample.labels['phase']}" if "phase" in sample.labels else name] = sample.value
+        return out
 
     def pending(self) -> dict[str, int]:
         """Pending entries of every consumer group of this stack."""

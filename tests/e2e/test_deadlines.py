@@ -13,10 +13,8 @@ import asyncio
 import signal
 import time
 
-import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import TINY_ENGINE_ARGS, TINY_MAX_MODEL_LEN, openai_client
 from tests.e2e.stack import Stack
@@ -38,18 +36,6 @@ def deadline_stack(redis_url, tiny_llama_dir, tmp_path_factory):
 def stack(deadline_stack):
     yield deadline_stack
     deadline_stack.assert_idle(timeout_s=15)
-
-
-def engine_counters(stack: Stack) -> dict[str, float]:
-    """The engine's counters from its own /metrics: name (phase label appended) -> value."""
-    text = httpx.get(stack.engine_metrics_url, timeout=5).text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.endswith("_total"):
-                name = sample.name.removeprefix("pagedserve:")
-                out[f"{name}:{sample.labels['phase']}" if "phase" in sample.labels else name] = sample.value
-    return out
 
 
 async def _expire_all(stack: Stack, frozen) -> list[tuple[BaseException | None, float]]:
@@ -93,23 +79,23 @@ def _assert_answered_at_the_deadline(results) -> None:
 def _wait_for(predicate, stack: Stack, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
-        assert time.monotonic() < deadline, f"timed out: {engine_counters(stack)}\n{stack.logs()}"
+        assert time.monotonic() < deadline, f"timed out: {stack.engine_counters()}\n{stack.logs()}"
         time.sleep(0.2)
 
 
 def test_an_engine_frozen_through_the_deadlines_computes_none_of_those_requests(stack):
     client = openai_client(stack, timeout=60)
     assert client.completions.create(model="tiny", prompt="warm", max_tokens=2).usage.completion_tokens == 2
-    before = engine_counters(stack)
+    before = stack.engine_counters()
 
     results = asyncio.run(_expire_all(stack, [stack.service("engine")]))
     _assert_answered_at_the_deadline(results)
 
     # the resumed engine finds the requests on ps:engine:in and refuses each at admission (it
     # reads its requests before its ctl stream in a turn, so the gateway's aborts come second)
-    _wait_for(lambda: engine_counters(stack)["num_requests_expired_total:admission"]
+    _wait_for(lambda: stack.engine_counters()["num_requests_expired_total:admission"]
               == before["num_requests_expired_total:admission"] + NUM_REQUESTS, stack)
-    after = engine_counters(stack)
+    after = stack.engine_counters()
     for name in ("prompt_tokens_total", "generation_tokens_total", "num_requests_expired_total:waiting",
                  "num_requests_expired_total:running"):
         assert after[name] == before[name], name  # nothing of theirs computed
@@ -118,12 +104,12 @@ def test_an_engine_frozen_through_the_deadlines_computes_none_of_those_requests(
 
 
 def test_a_tokenizer_frozen_through_the_deadlines_forwards_none_of_those_requests(stack):
-    before = engine_counters(stack)
+    before = stack.engine_counters()
     results = asyncio.run(_expire_all(stack, [stack.service("tokenizer-0")]))
     _assert_answered_at_the_deadline(results)
     _wait_for(lambda: not any(stack.pending().values()), stack)  # the tokenizer has read and answered them all
     time.sleep(1.5)  # what it would have forwarded has reached the engine by now
-    after = engine_counters(stack)
+    after = stack.engine_counters()
     for name in ("prompt_tokens_total", "generation_tokens_total", "num_requests_expired_total:admission",
                  "num_requests_expired_total:waiting", "num_requests_expired_total:running"):
         assert after[name] == before[name], name  # none reached the engine
@@ -135,7 +121,7 @@ def test_a_stream_still_generating_at_its_deadline_ends_there_and_its_engine_sto
     # The tiny model streams its 1,000 tokens in 1.0-1.6 s here (greedy or sampled): a deadline
     # of 0.4 s ends the stream well inside them, and its first token well after.
     deadline_s = 0.4
-    before = engine_counters(stack)
+    before = stack.engine_counters()
     client = openai_client(stack, timeout=60)
     started = time.monotonic()
     stream = client.completions.create(model="tiny", prompt="Count:", max_tokens=1000, stream=True,
@@ -147,7 +133,7 @@ def test_a_stream_still_generating_at_its_deadline_ends_there_and_its_engine_sto
     seconds = time.monotonic() - started
     assert "deadline" in str(info.value) and chunks and deadline_s - 0.05 <= seconds < deadline_s + 8.0
     _wait_for(lambda: stack.engine_stats().get("num_requests", 1) == 0, stack)
-    after = engine_counters(stack)
+    after = stack.engine_counters()
     assert after["generation_tokens_total"] - before["generation_tokens_total"] < 1000  # stopped early
     stopped_by = {phase: after[f"num_requests_expired_total:{phase}"] - before[f"num_requests_expired_total:{phase}"]
                   for phase in ("admission", "waiting", "running")}
