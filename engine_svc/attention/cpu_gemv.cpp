@@ -251,9 +251,11 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::
 }
 
 // The GEMV loop for a few rows, oneDNN (or at::linear) for the rest: never the tiles. With a packed
-// handle (>= 0) the rest goes to oneDNN with that packed copy of weight.
+// handle (>= 0) the rest goes to oneDNN with that packed copy of weight; the handle is checked
+// against weight whichever path runs.
 at::Tensor vector_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                          int64_t packed) {
+  const at::Tensor packed_weight = packed >= 0 ? packed_weights().get(packed, weight) : at::Tensor();
 #ifdef PAGEDSERVE_BF16_GEMV
   const int64_t K = x.size(-1), N = weight.size(0);
   const int64_t M = K > 0 ? x.numel() / K : 0;
@@ -269,14 +271,17 @@ at::Tensor vector_linear(const at::Tensor& x, const at::Tensor& weight, const c1
 #endif
   if (packed >= 0 && x.numel() > 0 && x.scalar_type() == weight.scalar_type() && x.size(-1) == weight.size(1) &&
       (!bias.has_value() || !bias->defined() || bias->scalar_type() == weight.scalar_type()))
-    return onednn_linear(x, packed_weights().get(packed, weight), bias);
+    return onednn_linear(x, packed_weight, bias);
   return onednn_takes(x, weight, bias) ? onednn_linear(x, weight, bias) : at::linear(x, weight, bias);
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                   int64_t packed) {
   const int64_t K = x.size(-1), M = K > 0 ? x.numel() / K : 0;
-  if (pagedserve::amx::available() && amx_takes(x, weight, bias, M)) return amx_linear(x, weight, bias);
+  if (pagedserve::amx::available() && amx_takes(x, weight, bias, M)) {
+    if (packed >= 0) packed_weights().get(packed, weight);  // the tiles read weight itself; the handle must still match
+    return amx_linear(x, weight, bias);
+  }
   return vector_linear(x, weight, bias, packed);
 }
 

@@ -215,7 +215,7 @@ def test_huge_prompts_are_refused_at_once_while_a_small_one_runs(stack):
         runner.join(timeout=60)
     print(f"refusals in {[f'{s:.2f}s' for s in bigs]}; {len(alongside)} small requests alongside, slowest "
           f"{max(alongside):.2f}s, {usual:.2f}s alone")
-    assert max(bigs) < 1.0  # sending 15-17 MB over loopback included
+    assert max(bigs) < 2.0  # sending 15-17 MB over loopback included (tokenizing 15 MB first would take far longer)
     assert max(alongside) < 3 * usual + 1.0  # slack for two shared cores: the big bodies are parsed meanwhile
 
 
