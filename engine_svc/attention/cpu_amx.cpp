@@ -91,15 +91,26 @@ AMX_TARGET void run_blocks(const uint32_t* packed, int64_t cols, const c10::BFlo
   _tile_loadconfig(&cfg);
   alignas(64) float tiles[4][16 * 16];
   const int64_t stride_w = K * sizeof(c10::BFloat16), stride_p = cols * sizeof(uint32_t);
+  // The next group of NB blocks (contiguous in W) is prefetched into L2 while this one computes, a
+  // share of its lines at every k step: the tile loads read 16-32 rows at a stride of K, more
+  // streams than the hardware prefetcher follows, so without help they wait on memory.
+  const int64_t group_lines = NB * kTileRows * K * int64_t(sizeof(c10::BFloat16)) / 64;
+  const int64_t lines_per_step = (group_lines + K / kTileK - 1) / (K / kTileK);
   for (int64_t blk = block_begin; blk < block_end; blk += NB)
    for (int64_t mg = m_begin; mg < m_end; mg += 16 * MT) {
     const c10::BFloat16* w0 = w + blk * kTileRows * K;
+    const char* next = blk + NB < block_end && mg == m_begin ? reinterpret_cast<const char*>(w0 + NB * kTileRows * K)
+                                                             : nullptr;
+    int64_t line = 0;
     _tile_zero(0);
     if constexpr (NB * MT > 1) _tile_zero(1);
     if constexpr (NB * MT > 2) _tile_zero(2);
     if constexpr (NB * MT > 3) _tile_zero(3);
     for (int64_t k = 0; k < K; k += kTileK) {
       const uint32_t* p = packed + (k / 2) * cols + mg;
+      if (next != nullptr)
+        for (const int64_t stop = std::min(group_lines, line + lines_per_step); line < stop; ++line)
+          _mm_prefetch(next + line * 64, _MM_HINT_T1);
       _tile_loadd(4, w0 + k, stride_w);
       _tile_loadd(6, p, stride_p);
       if constexpr (NB == 2) {  // C tile MT * n-block + m-tile
