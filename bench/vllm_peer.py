@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import OUT_DIR, print_header  # noqa: E402
-from stack import Server  # noqa: E402
+from stack import Server, process_cpu  # noqa: E402
 from vllm_install import PEER_DIR, VLLM_CPU_VERSION, ensure_vllm  # noqa: E402
 from vllm_report import METRICS, overhead_lines, print_config_table, write_outputs  # noqa: E402
 
@@ -216,9 +216,10 @@ def measure_server(server: PeerServer, bin_dir: Path, model: Path, port: int, la
             n = prompts_for(c, args)
             say(f"[{label}] concurrency {c}: {n} prompts x {args.output_len} output tokens ...")
             t1 = time.perf_counter()
-            before = decode_step_totals(server.engine_metrics_url)
+            before, cpu_before = decode_step_totals(server.engine_metrics_url), process_cpu([server.proc.pid])
             row = figures[str(c)] = run_client(bin_dir, model, port, c, n, label, args)
-            after = decode_step_totals(server.engine_metrics_url)
+            after, cpu_after = decode_step_totals(server.engine_metrics_url), process_cpu([server.proc.pid])
+            row["cpu_ms_per_token"] = cpu_per_token(cpu_before, cpu_after, row["total_output_tokens"])
             if before is not None and after is not None and after[1] > before[1]:
                 row["engine_decode_step_ms"] = round((after[0] - before[0]) / (after[1] - before[1]) * 1e3, 3)
             say(f"[{label}] concurrency {c}: {row['output_throughput']:.1f} tok/s, median TPOT "
@@ -226,6 +227,17 @@ def measure_server(server: PeerServer, bin_dir: Path, model: Path, port: int, la
     figures["dtype_seen"] = logged_dtype(server.log_path)
     say(f"[{label}] stopped")
     return figures
+
+
+def cpu_per_token(before: dict[str, float], after: dict[str, float], num_tokens: int) -> dict[str, float]:
+    """CPU milliseconds (user + system) per output token of each of the server's processes over one
+    client run, by service (stack.process_cpu's names, a redis-server's address dropped), warm-up
+    requests included (their tokens are not counted: a small overestimate)."""
+    out: dict[str, float] = {}
+    for name, seconds in after.items():
+        key = name.split()[0]
+        out[key] = out.get(key, 0.0) + (seconds - before.get(name, 0.0)) * 1e3 / max(num_tokens, 1)
+    return {k: round(v, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
 
 
 def engine_step_ms(dtype: str) -> float:

@@ -93,6 +93,16 @@ def overhead_lines(meta: dict, dtype: str, per_server: dict) -> list[str]:
     if served_step is not None and tpot is not None:
         lines.append(f"The serving engine's own decode steps while the client ran (mean, its decode_step_seconds): "
                      f"{served_step:.2f} ms, so the loop around them adds {tpot - served_step:.2f} ms per token")
+    cpu = row.get("cpu_ms_per_token")
+    if cpu:
+        engine = {k: v for k, v in cpu.items() if k == "engine_svc"}
+        bus = {k: v for k, v in cpu.items() if k not in engine}
+        lines.append("CPU per output token at concurrency 1 (ms; the engine's includes its OpenMP threads' spinning): "
+                     + ", ".join(f"{k} {v:.3f}" for k, v in {**engine, **bus}.items())
+                     + f"; all but the engine {sum(bus.values()):.3f} ms")
+    peer = per_server.get("vllm", {}).get("1", {}).get("cpu_ms_per_token")
+    if peer:
+        lines.append(f"vLLM's processes, CPU per output token at concurrency 1: {sum(peer.values()):.3f} ms in all")
     return lines + [""] if lines else []
 
 
