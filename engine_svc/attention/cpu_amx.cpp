@@ -9,12 +9,15 @@
 //
 //   C[n][m] += sum_k W[n][k] x[m][k]      A = 16 weight rows x 32 k (one tile load, stride K, in place)
 //                                          B = x^T in K-pairs: 16 pair-rows x M columns (packed per call)
-//   tmm0..3  C  (n-block 0|1) x (m-tile 0|1): 16 weight rows x 16 token rows each
+//   tmm0..1  C  n-block 0, n-block 1: 16 weight rows x 16 token rows each
 //   tmm4..5  A  n-block 0, n-block 1 (two blocks of 16 weight rows in flight)
-//   tmm6..7  B  m-tile 0, m-tile 1 (16 token rows each, zero-padded)
+//   tmm6     B  one m-tile (16 token rows, zero-padded)
 //   every tile 16 rows x 64 bytes: C 16 x 16 floats, A 16 x 32 bfloat16, B 16 K-pairs x 16 tokens
-// More than 32 token rows go in groups of 32 over the same pair of weight blocks (from cache after
-// the first), in slices whose packed x stays in L2.
+// More than 16 token rows go in tiles of 16 over the same pair of weight blocks (from cache after
+// the first), in slices whose packed x stays in L2. A 2 x 2 product per k step (both m-tiles at
+// once, 4 C tiles) was slower here than the m-tiles one after the other: streaming 30 layers'
+// weights and the LM head, 20.2-20.5 against 25.9-26.8 ms at 32 rows, 34-35 against 41-43 at 64,
+// 56-58 against 67-70 at 128 (Xeon with AMX, model 207, interleaved runs).
 //
 // C comes out [n][m]; a 16 x 16 float transpose in registers turns it into y's [m][n] rows.
 
@@ -79,17 +82,17 @@ AMX_TARGET inline void store_rows(const float* tile, const c10::BFloat16* bias, 
 }
 
 // Weight rows [16 * block_begin, 16 * block_end), NB blocks of 16 at a time, times token rows
-// [m_begin, m_end) of the packed x (cols wide) in groups of MT tiles of 16 (columns past m_end
-// multiply the packed zeros and are not stored; every tile is 16 x 64 bytes, so the shapes of a tile
-// product always match). A block's weights come from memory for the first group, from cache after.
-template <int NB, int MT>
+// [m_begin, m_end) of the packed x (cols wide) in tiles of 16 (columns past m_end multiply the
+// packed zeros and are not stored; every tile is 16 x 64 bytes, so the shapes of a tile product
+// always match). A block's weights come from memory for the first tile, from cache after.
+template <int NB>
 AMX_TARGET void run_blocks(const uint32_t* packed, int64_t cols, const c10::BFloat16* w, const c10::BFloat16* bias,
                            c10::BFloat16* y, int64_t m_begin, int64_t m_end, int64_t K, int64_t N,
                            int64_t block_begin, int64_t block_end) {
-  static_assert(NB <= 2 && MT <= 2);
+  static_assert(NB == 1 || NB == 2);
   const TileConfig cfg;
   _tile_loadconfig(&cfg);
-  alignas(64) float tiles[4][16 * 16];
+  alignas(64) float tiles[2][16 * 16];
   const int64_t stride_w = K * sizeof(c10::BFloat16), stride_p = cols * sizeof(uint32_t);
   // The next group of NB blocks (contiguous in W) is prefetched into L2 while this one computes, a
   // share of its lines at every k step: the tile loads read 16-32 rows at a stride of K, more
@@ -97,15 +100,13 @@ AMX_TARGET void run_blocks(const uint32_t* packed, int64_t cols, const c10::BFlo
   const int64_t group_lines = NB * kTileRows * K * int64_t(sizeof(c10::BFloat16)) / 64;
   const int64_t lines_per_step = (group_lines + K / kTileK - 1) / (K / kTileK);
   for (int64_t blk = block_begin; blk < block_end; blk += NB)
-   for (int64_t mg = m_begin; mg < m_end; mg += 16 * MT) {
+   for (int64_t mg = m_begin; mg < m_end; mg += 16) {
     const c10::BFloat16* w0 = w + blk * kTileRows * K;
     const char* next = blk + NB < block_end && mg == m_begin ? reinterpret_cast<const char*>(w0 + NB * kTileRows * K)
                                                              : nullptr;
     int64_t line = 0;
     _tile_zero(0);
-    if constexpr (NB * MT > 1) _tile_zero(1);
-    if constexpr (NB * MT > 2) _tile_zero(2);
-    if constexpr (NB * MT > 3) _tile_zero(3);
+    if constexpr (NB == 2) _tile_zero(1);
     for (int64_t k = 0; k < K; k += kTileK) {
       const uint32_t* p = packed + (k / 2) * cols + mg;
       if (next != nullptr)
@@ -113,33 +114,14 @@ AMX_TARGET void run_blocks(const uint32_t* packed, int64_t cols, const c10::BFlo
           _mm_prefetch(next + line * 64, _MM_HINT_T1);
       _tile_loadd(4, w0 + k, stride_w);
       _tile_loadd(6, p, stride_p);
-      if constexpr (NB == 2) {  // C tile MT * n-block + m-tile
-        _tile_loadd(5, w0 + kTileRows * K + k, stride_w);
-        _tile_dpbf16ps(0, 4, 6);
-        if constexpr (MT == 1) {  // (gcc's tile intrinsics paste their tile numbers into the asm: literals only)
-          _tile_dpbf16ps(1, 5, 6);
-        } else {
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_loadd(7, p + 16, stride_p);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(3, 5, 7);
-        }
-      } else {  // one block: C tile m-tile
-        _tile_dpbf16ps(0, 4, 6);
-        if constexpr (MT == 2) {
-          _tile_loadd(7, p + 16, stride_p);
-          _tile_dpbf16ps(1, 4, 7);
-        }
-      }
+      if constexpr (NB == 2) _tile_loadd(5, w0 + kTileRows * K + k, stride_w);
+      _tile_dpbf16ps(0, 4, 6);  // (gcc's tile intrinsics paste their tile numbers into the asm: literals only)
+      if constexpr (NB == 2) _tile_dpbf16ps(1, 5, 6);
     }
     _tile_stored(0, tiles[0], 64);
-    if constexpr (NB * MT > 1) _tile_stored(1, tiles[1], 64);
-    if constexpr (NB * MT > 2) _tile_stored(2, tiles[2], 64);
-    if constexpr (NB * MT > 3) _tile_stored(3, tiles[3], 64);
-    for (int t = 0; t < NB * MT; ++t) {
-      const int64_t m0 = mg + 16 * (t % MT);
-      store_rows(tiles[t], bias, y, (blk + t / MT) * kTileRows, m0, std::min<int64_t>(16, m_end - m0), N);
-    }
+    if constexpr (NB == 2) _tile_stored(1, tiles[1], 64);
+    for (int t = 0; t < NB; ++t)
+      store_rows(tiles[t], bias, y, (blk + t) * kTileRows, mg, std::min<int64_t>(16, m_end - mg), N);
   }
   _tile_release();
 }
@@ -154,22 +136,17 @@ bool available() {
 void linear(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y, int64_t M,
             int64_t K, int64_t N) {
   // token rows in slices whose packed x stays in L2 (~256 KB); per slice, pairs of weight blocks over
-  // the threads, each pair times every group of 32 rows of the slice (one group, one tile for <= 16)
-  const int64_t num_blocks = N / kTileRows, slice = std::max<int64_t>(32, (int64_t(1) << 18) / (2 * K) / 32 * 32);
-  std::vector<uint32_t> packed(static_cast<size_t>(K / 2) * std::min(slice, (M + 31) / 32 * 32));
+  // the threads, each pair times every tile of 16 rows of the slice
+  const int64_t num_blocks = N / kTileRows, slice = std::max<int64_t>(16, (int64_t(1) << 18) / (2 * K) / 16 * 16);
+  std::vector<uint32_t> packed(static_cast<size_t>(K / 2) * std::min(slice, (M + 15) / 16 * 16));
   for (int64_t m0 = 0; m0 < M; m0 += slice) {
-    const int64_t rows = std::min(slice, M - m0), cols = rows <= 16 ? 16 : (rows + 31) / 32 * 32;
+    const int64_t rows = std::min(slice, M - m0), cols = (rows + 15) / 16 * 16;
     pack_x(x + m0 * K, packed.data(), rows, K, cols);
     at::parallel_for(0, (num_blocks + 1) / 2, 0, [&](int64_t begin, int64_t end) {
       const int64_t first = 2 * begin, last = std::min(2 * end, num_blocks), paired = first + (last - first) / 2 * 2;
       const uint32_t* p = packed.data();
-      if (rows <= 16) {
-        run_blocks<2, 1>(p, cols, w, bias, y + m0 * N, 0, rows, K, N, first, paired);
-        run_blocks<1, 1>(p, cols, w, bias, y + m0 * N, 0, rows, K, N, paired, last);
-      } else {
-        run_blocks<2, 2>(p, cols, w, bias, y + m0 * N, 0, rows, K, N, first, paired);
-        run_blocks<1, 2>(p, cols, w, bias, y + m0 * N, 0, rows, K, N, paired, last);
-      }
+      run_blocks<2>(p, cols, w, bias, y + m0 * N, 0, rows, K, N, first, paired);
+      run_blocks<1>(p, cols, w, bias, y + m0 * N, 0, rows, K, N, paired, last);
     });
   }
 }
