@@ -97,12 +97,13 @@ def overhead_lines(meta: dict, dtype: str, per_server: dict) -> list[str]:
     if cpu:
         engine = {k: v for k, v in cpu.items() if k == "engine_svc"}
         bus = {k: v for k, v in cpu.items() if k not in engine}
-        lines.append("CPU per output token at concurrency 1 (ms; the engine's includes its OpenMP threads' spinning): "
-                     + ", ".join(f"{k} {v:.3f}" for k, v in {**engine, **bus}.items())
+        lines.append("CPU per output token at concurrency 1, over the client's whole run (ms; the engine's includes "
+                     "its OpenMP threads' spinning): " + ", ".join(f"{k} {v:.3f}" for k, v in {**engine, **bus}.items())
                      + f"; all but the engine {sum(bus.values()):.3f} ms")
     peer = per_server.get("vllm", {}).get("1", {}).get("cpu_ms_per_token")
     if peer:
-        lines.append(f"vLLM's processes, CPU per output token at concurrency 1: {sum(peer.values()):.3f} ms in all")
+        lines.append(f"vLLM's processes over the same kind of run: {sum(peer.values()):.3f} ms of CPU per output token "
+                     "in all (its compute thread spins too)")
     return lines + [""] if lines else []
 
 
