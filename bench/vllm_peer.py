@@ -25,6 +25,7 @@ server only: to bench/out/vllm_peer.png, leaving the README's plot as it is; --p
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -33,6 +34,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -76,7 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="where the plot goes (default: docs/bench/vllm-cpu.png for both servers, "
                         "bench/out/vllm_peer.png for one)")
     p.add_argument("--no-engine-step", action="store_true",
-                   help="skip the in-process decode step at batch 1 measured before each dtype's servers")
+                   help="skip the in-process decode step at batch 1 measured before each dtype's servers "
+                        "and right after pagedserve's concurrency-1 run")
     return p.parse_args(argv)
 
 
@@ -203,8 +206,11 @@ def prompts_for(concurrency: int, args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------- the sweep
 def measure_server(server: PeerServer, bin_dir: Path, model: Path, port: int, label: str, levels: list[int],
-                   args: argparse.Namespace) -> dict:
-    """Start `server`, run the client at every level, stop it; figures keyed by concurrency."""
+                   args: argparse.Namespace, step_after_c1: Callable[[], float] | None = None) -> dict:
+    """Start `server`, run the client at every level, stop it; figures keyed by concurrency.
+    ``step_after_c1``: measures the in-process decode step right after the concurrency-1 run, the
+    server up and idle, so that what serving adds compares two figures of the same minutes (this
+    shared VM's memory bandwidth drifts by 2x within an hour)."""
     say(f"[{label}] starting: {server.command}")
     t0 = time.perf_counter()
     figures: dict = {}
@@ -224,6 +230,9 @@ def measure_server(server: PeerServer, bin_dir: Path, model: Path, port: int, la
                 row["engine_decode_step_ms"] = round((after[0] - before[0]) / (after[1] - before[1]) * 1e3, 3)
             say(f"[{label}] concurrency {c}: {row['output_throughput']:.1f} tok/s, median TPOT "
                 f"{row['median_tpot_ms']:.1f} ms, failed {row['failed']} ({time.perf_counter() - t1:.0f} s)")
+            if c == 1 and step_after_c1 is not None:
+                row["engine_step_after_ms"] = round(step_after_c1(), 2)
+                say(f"[{label}] in-process decode step at batch 1 right after: {row['engine_step_after_ms']} ms")
     figures["dtype_seen"] = logged_dtype(server.log_path)
     say(f"[{label}] stopped")
     return figures
@@ -300,8 +309,10 @@ def main(argv=None) -> None:
             port = free_port()
             server = (vllm_server(bin_dir, model, port, dtype, args) if name == "vllm"
                       else pagedserve_server(model, port, dtype, args))
+            probe = None if name == "vllm" or args.no_engine_step else functools.partial(
+                engine_step_ms, "auto" if dtype == "default" else dtype)
             results.setdefault(dtype, {})[name] = measure_server(server, bin_dir, model, port, f"{name}-{dtype}",
-                                                                 levels, args)
+                                                                 levels, args, step_after_c1=probe)
             write_outputs(meta, results)  # after every server, so a stopped sweep keeps what it measured
         print_config_table(dtype, results[dtype], levels)
         print(*overhead_lines(meta, dtype, results[dtype]), sep="\n", flush=True)

@@ -12,7 +12,9 @@ whatever the bus spends per token comes out of the engine's forward, so these lo
 commands on a connection they hold (``HeldConnection``; still redis-py's: it connects,
 authenticates, selects the database and parses with hiredis) and build and parse the commands
 here (``DirectPipe``), with the replies shaped as redis-py's callbacks shape them, so the readers
-that take them need not know which path they came by.
+that take them need not know which path they came by. The commands go out packed by hiredis itself:
+redis-py's packer first runs its encoder over every argument in Python (44 us for an XADD, an
+XREADGROUP, an XACK and a small XADD, against 4 us for the same bytes).
 
 A connection error disconnects the held connection (the next call connects again) and is raised,
 as the client raises it; an error reply (NOGROUP, ...) is raised or, with ``raise_on_error=False``,
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 
+import hiredis
 import redis
 import redis.asyncio as aioredis
 
@@ -111,6 +114,16 @@ def _parse(parsers: list, replies: Sequence, raise_on_error: bool) -> list:
     return out
 
 
+def _pack(commands: Sequence[tuple]) -> list[bytes]:
+    """The commands in Redis's protocol, one buffer (what the connections' send_packed_command takes).
+    Their arguments are str (UTF-8), bytes, int or float, as the loops here build them; anything else
+    is a DataError, as redis-py's encoder would raise it."""
+    try:
+        return [b"".join([hiredis.pack_command(command) for command in commands])]
+    except TypeError as exc:
+        raise redis.DataError(f"a stream command's argument: {exc}") from None
+
+
 def _read_options(count: int | None, block: int | None) -> list:
     options: list = []
     if count is not None:
@@ -132,7 +145,7 @@ class HeldConnection:
         conn = self._conn or self.pool.get_connection()
         self._conn = conn
         try:
-            conn.send_packed_command(conn.pack_commands(commands))
+            conn.send_packed_command(_pack(commands))
             replies = []
             for _ in commands:
                 try:
@@ -166,7 +179,7 @@ class AsyncHeldConnection:
         conn = self._conn or await self.pool.get_connection()
         self._conn = conn
         try:
-            await conn.send_packed_command(conn.pack_commands(commands))
+            await conn.send_packed_command(_pack(commands))
             replies = []
             # our own timer: redis-py answers None for a read that outlasts a timeout given to it
             async with asyncio.timeout(self.read_timeout_s):
