@@ -249,13 +249,14 @@ def cpu_per_token(before: dict[str, float], after: dict[str, float], num_tokens:
     return {k: round(v, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
 
 
-def engine_step_ms(dtype: str) -> float:
+def engine_step_ms(dtype: str, prompt_len: int, steps: int) -> float:
     """The in-process engine's median decode step at batch 1 (bench/cpu_step.py's measurement), in a
     child process of its own, so that what serving adds per step (the server's median TPOT at
-    concurrency 1 minus this) comes from one run."""
+    concurrency 1 minus this) comes from one run; over the client's contexts (its prompt length,
+    then as many steps as it asks tokens), since a step's attention grows with the context."""
     code = ("import json, cpu_step; from engine_svc import EngineConfig, LLMEngine; "
             f"e = LLMEngine(EngineConfig(dtype={dtype!r}, kv_cache_memory=1 << 30)); "
-            "print(json.dumps(cpu_step.decode_steps(e, 1, steps=48)))")
+            f"print(json.dumps(cpu_step.decode_steps(e, 1, steps={steps}, prompt_len={prompt_len})))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent),
                                                        str(Path(__file__).resolve().parents[1])])}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
@@ -303,14 +304,15 @@ def main(argv=None) -> None:
     for dtype in dtypes:
         if "pagedserve" in servers and not args.no_engine_step:
             step = meta.setdefault("engine_step_ms", {})[dtype] = round(engine_step_ms(
-                "auto" if dtype == "default" else dtype), 2)
-            say(f"[engine {dtype}] in-process decode step at batch 1: {step} ms (median of 48)")
+                "auto" if dtype == "default" else dtype, args.input_len, args.output_len), 2)
+            say(f"[engine {dtype}] in-process decode step at batch 1: {step} ms (median of {args.output_len} "
+                f"after a {args.input_len}-token prompt)")
         for name in servers:
             port = free_port()
             server = (vllm_server(bin_dir, model, port, dtype, args) if name == "vllm"
                       else pagedserve_server(model, port, dtype, args))
             probe = None if name == "vllm" or args.no_engine_step else functools.partial(
-                engine_step_ms, "auto" if dtype == "default" else dtype)
+                engine_step_ms, "auto" if dtype == "default" else dtype, args.input_len, args.output_len)
             results.setdefault(dtype, {})[name] = measure_server(server, bin_dir, model, port, f"{name}-{dtype}",
                                                                  levels, args, step_after_c1=probe)
             write_outputs(meta, results)  # after every server, so a stopped sweep keeps what it measured
