@@ -49,7 +49,8 @@ RUN_DIR = OUT_DIR / "vllm_peer"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)  # `--out x` must not be taken as `--output-len x`
     p.add_argument("--servers", default="vllm,pagedserve", help="which servers, in this order")
     p.add_argument("--dtypes", default="default,bfloat16,float32",
                    help="configurations: default (no --dtype: each its own) or a dtype passed to both")
