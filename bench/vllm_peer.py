@@ -303,17 +303,17 @@ def main(argv=None) -> None:
     RUN_DIR.mkdir(parents=True, exist_ok=True)
     results: dict = {}
     for dtype in dtypes:
+        step_probe = functools.partial(engine_step_ms, "auto" if dtype == "default" else dtype,
+                                       args.input_len, args.output_len)
         if "pagedserve" in servers and not args.no_engine_step:
-            step = meta.setdefault("engine_step_ms", {})[dtype] = round(engine_step_ms(
-                "auto" if dtype == "default" else dtype, args.input_len, args.output_len), 2)
+            step = meta.setdefault("engine_step_ms", {})[dtype] = round(step_probe(), 2)
             say(f"[engine {dtype}] in-process decode step at batch 1: {step} ms (median of {args.output_len} "
                 f"after a {args.input_len}-token prompt)")
         for name in servers:
             port = free_port()
             server = (vllm_server(bin_dir, model, port, dtype, args) if name == "vllm"
                       else pagedserve_server(model, port, dtype, args))
-            probe = None if name == "vllm" or args.no_engine_step else functools.partial(
-                engine_step_ms, "auto" if dtype == "default" else dtype, args.input_len, args.output_len)
+            probe = None if name == "vllm" or args.no_engine_step else step_probe
             results.setdefault(dtype, {})[name] = measure_server(server, bin_dir, model, port, f"{name}-{dtype}",
                                                                  levels, args, step_after_c1=probe)
             write_outputs(meta, results)  # after every server, so a stopped sweep keeps what it measured
