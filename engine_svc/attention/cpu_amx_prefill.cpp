@@ -17,6 +17,9 @@
 // Every product is exact bf16 x bf16 summed in float32; the weights are rounded to bf16 before the
 // values product, the output once at the end (cpu_prefill.cpp's arithmetic, another order of sums).
 // Slots past a context are never read: the packed tails are zeros, masked like future keys.
+//
+// That is the form for a head size of 128. A head size of 64 (the default model's) takes the
+// transposed form further down, which keeps the output in tiles and the softmax lane-wise.
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -24,6 +27,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_amx.h"
@@ -224,6 +228,217 @@ void run_item(const PrefillProblem& P, const Group& g, const Item& it, const uin
   }
 }
 
+// ---- head size 64: the transposed form ------------------------------------------------------------
+// Computing both products transposed puts the query rows in the vector lanes:
+//   S^T [32 keys x 16 rows]  = K [32 x 64] . Q^T          K rows as the A operand, Q^T's dim pairs as B
+//   O^T [64 dims x 16 rows] += V^T [64 x 32 keys] . P^T   V^T rows as A, P^T's key pairs as B
+// A row's max, sum and rescale become lane-wise operations on whole vectors (no reductions across
+// lanes, no per-row broadcasts), and O^T stays in tmm0..3 across the chunks (tmm4, 5 hold S^T; 6 the
+// B operand, 7 the A one) instead of being stored, scaled and added in vector code every chunk. It is
+// rescaled only when some row's max grows by more than kSlack (log2 units) over the max its weights
+// are taken against; in between, a weight 2^(c s - c m) is at most 2^kSlack, far from overflowing a
+// float32 sum or a bfloat16 weight (FlashAttention-4's conditional rescaling).
+//   pack   K   [padded keys][64]   rows as they are in the pool (zero past the context)
+//          V^T [64][vt_stride]     one 16 x 16 transpose of dim pairs per 16 keys, each pair split in two rows
+// Measured on a Xeon with AMX (2 cores; one 2,048-token prompt, 9 query and 3 kv heads, one layer, old
+// and new form alternating in one process): 7.8 -> 5.8 ms with 2 threads, 13.9 -> 10.4 ms with one.
+// Tile and vector work did not overlap there (each alone: ~5.2 and ~4.1 ms of the 10.4): what is left
+// is the tile products and their loads, and the exp.
+
+constexpr int kKeysT = 32;
+// V^T's row stride, in bfloat16: its padded keys and 32 more, so that the 16 rows of a tile load fall in
+// different L1 sets (a stride of a multiple of 4 KiB puts them all in one)
+int64_t vt_stride(int64_t ctx) { return padded(ctx) + 32; }
+constexpr float kSlack = 8.f;
+
+void pack_chunk_t(const PrefillProblem& P, const Group& g, int64_t k0, uint32_t* buf) {
+  constexpr int D = 64;
+  const int64_t row_stride = P.num_kv_heads * D, pad = padded(g.ctx);
+  const int32_t* table = P.tables + g.seq * P.max_blocks;
+  auto row = [&](const c10::BFloat16* cache, int64_t key) -> const uint32_t* {
+    if (key >= g.ctx) return nullptr;
+    const int64_t slot = int64_t(table[key / P.block_size]) * P.block_size + key % P.block_size;
+    return reinterpret_cast<const uint32_t*>(cache + slot * row_stride + g.kv_head * D);
+  };
+  uint32_t* k = buf + g.packed;  // [pad][32 pairs]
+  auto* vt = reinterpret_cast<uint16_t*>(k + pad * D / 2);  // [64][vs]
+  const int64_t vs = vt_stride(g.ctx);
+  // low 16 lanes: the even 16-bit words (dim 2i of 16 keys), high: the odd ones (dim 2i + 1)
+  const __m512i split = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1,
+                                         30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  for (int64_t t0 = k0; t0 < k0 + kChunk; t0 += 16) {
+    const uint32_t* krows[16];
+    const uint32_t* vrows[16];
+    for (int j = 0; j < 16; ++j) krows[j] = row(P.k_cache, t0 + j), vrows[j] = row(P.v_cache, t0 + j);
+    for (int j = 0; j < 16; ++j)
+      for (int c = 0; c < D / 2; c += 16)
+        _mm512_storeu_si512(k + (t0 + j) * (D / 2) + c, krows[j] ? _mm512_loadu_si512(krows[j] + c) : _mm512_setzero_si512());
+    for (int c = 0; c < D / 2; c += 16) {  // dim pairs c .. c + 15 of the 16 keys
+      __m512 r[16];
+      for (int j = 0; j < 16; ++j)
+        r[j] = vrows[j] ? _mm512_castsi512_ps(_mm512_loadu_si512(vrows[j] + c)) : _mm512_setzero_ps();
+      transpose16(r);  // r[i]: pair c + i of keys t0 .. t0 + 15
+      for (int i = 0; i < 16; ++i) {
+        const __m512i x = _mm512_permutexvar_epi16(split, _mm512_castps_si512(r[i]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(vt + (2 * (c + i)) * vs + t0), _mm512_castsi512_si256(x));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(vt + (2 * (c + i) + 1) * vs + t0), _mm512_extracti64x4_epi64(x, 1));
+      }
+    }
+  }
+}
+
+// 2^t on 16 lanes for t <= kSlack (below -126: 2^-126): 2^round(t) times a cubic in f = t - round(t),
+// fitted to 2^f on [-1/2, 1/2] for relative error (< 7.5e-5; the weights are then rounded to bfloat16,
+// up to 2^-8 = 3.9e-3 relative)
+inline __m512 exp2_lanes(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
+  const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, k);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(5.5171079934e-02f), f, _mm512_set1_ps(2.4261111021e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9326108694e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9992805719e-01f));
+  return _mm512_scalef_ps(p, k);
+}
+
+struct ScratchT {
+  alignas(64) uint32_t qt[32][16];  // Q^T: dim pair x row
+  alignas(64) float s[kKeysT][16];  // S^T of the chunk: key x row
+  alignas(64) uint32_t pt[2][kKeysT / 2][16];  // P^T: key pair x row, bfloat16 pairs (two chunks' in turn)
+  alignas(64) float o[64][16];  // O^T, at a rescale and at the end
+  alignas(64) int32_t pos[kRows];
+  alignas(64) float inv[kRows];
+};
+
+AMX_TARGET void store_o(ScratchT& w) {
+  _tile_stored(0, &w.o[0][0], 64);
+  _tile_stored(1, &w.o[16][0], 64);
+  _tile_stored(2, &w.o[32][0], 64);
+  _tile_stored(3, &w.o[48][0], 64);
+}
+
+AMX_TARGET void run_item_t(const PrefillProblem& P, const Group& g, const Item& it, const uint32_t* buf, ScratchT& w) {
+  constexpr int D = 64;
+  const int64_t group = P.num_heads / P.num_kv_heads;
+  const int64_t rows = std::min<int64_t>(kRows, g.q_len * group - it.row_begin);
+  const int64_t first_token = P.starts[g.seq];
+  auto offset = [&](int64_t r) {  // of row r's query (and its output)
+    const int64_t row = it.row_begin + r;
+    return ((first_token + row / group) * P.num_heads + g.kv_head * group + row % group) * D;
+  };
+  for (int half = 0; half < 2; ++half) {  // Q^T: pairs 16 half .. 16 half + 15 of the 16 rows (zeros past `rows`)
+    __m512 r[16];
+    for (int j = 0; j < 16; ++j)
+      r[j] = j < rows ? _mm512_castsi512_ps(_mm512_loadu_si512(reinterpret_cast<const uint32_t*>(P.query + offset(j)) + 16 * half))
+                      : _mm512_setzero_ps();
+    transpose16(r);
+    for (int i = 0; i < 16; ++i) _mm512_store_ps(reinterpret_cast<float*>(w.qt[16 * half + i]), r[i]);
+  }
+  for (int r = 0; r < kRows; ++r)  // rows past `rows` take the last row's position
+    w.pos[r] = int32_t(g.ctx - g.q_len + (it.row_begin + std::min<int64_t>(r, rows - 1)) / group);
+  const __m512i pos = _mm512_load_si512(w.pos);
+  const uint16_t* kp = reinterpret_cast<const uint16_t*>(buf + g.packed);  // [pad][64]
+  const int64_t pad = padded(g.ctx);
+  const uint16_t* vt = kp + pad * D;  // [64][vs]
+  const int64_t vs = vt_stride(g.ctx);
+  const float c = P.scale * 1.44269504088896341f;  // scores to log2 units
+  const __m512 vc = _mm512_set1_ps(c), slack = _mm512_set1_ps(kSlack / c);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  // interleaves the bfloat16 words of two keys' vectors (low: key 2i, high: key 2i + 1) into pairs per row
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  __m512 m = neg_inf, mc = _mm512_setzero_ps(), l = _mm512_setzero_ps();  // max (score units), max * c, sum
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t visible = w.pos[kRows - 1] + 1, seen_by_all = w.pos[0] + 1;
+  auto scores = [&](int64_t k0) AMX_TARGET {  // S^T of keys [k0, k0 + 32) into tmm4, 5
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_loadd(6, w.qt[0], 64);
+    _tile_loadd(7, kp + k0 * D, D * 2);
+    _tile_dpbf16ps(4, 7, 6);
+    _tile_loadd(7, kp + (k0 + 16) * D, D * 2);
+    _tile_dpbf16ps(5, 7, 6);
+    _tile_loadd(6, w.qt[16], 64);
+    _tile_loadd(7, kp + k0 * D + 32, D * 2);
+    _tile_dpbf16ps(4, 7, 6);
+    _tile_loadd(7, kp + (k0 + 16) * D + 32, D * 2);
+    _tile_dpbf16ps(5, 7, 6);
+  };
+  auto values = [&](int64_t k0, const uint32_t* pt) AMX_TARGET {  // O^T += V^T P^T for keys [k0, k0 + 32)
+    _tile_loadd(6, pt, 64);
+    _tile_loadd(7, vt + k0, vs * 2);
+    _tile_dpbf16ps(0, 7, 6);
+    _tile_loadd(7, vt + 16 * vs + k0, vs * 2);
+    _tile_dpbf16ps(1, 7, 6);
+    _tile_loadd(7, vt + 32 * vs + k0, vs * 2);
+    _tile_dpbf16ps(2, 7, 6);
+    _tile_loadd(7, vt + 48 * vs + k0, vs * 2);
+    _tile_dpbf16ps(3, 7, 6);
+  };
+  // Chunk i's vector code waits only for its own scores: the values product of chunk i - 1 and the
+  // scores of chunk i + 1 are issued after them (~10% faster than each chunk's products in turn).
+  // P^T is double-buffered; a rescale, in program order after the values of chunk i - 1, scales
+  // exactly what the chunks before i summed.
+  scores(0);
+  int64_t k0 = 0;
+  for (int64_t i = 0; k0 < visible; ++i, k0 += kKeysT) {
+    _tile_stored(4, &w.s[0][0], 64);
+    _tile_stored(5, &w.s[16][0], 64);
+    if (i > 0) values(k0 - kKeysT, w.pt[(i - 1) & 1][0]);
+    if (k0 + kKeysT < visible) scores(k0 + kKeysT);
+    const bool masked = k0 + kKeysT > seen_by_all;  // some row does not see every key of the chunk
+    __mmask16 seen[kKeysT];
+    __m512 mxs[4] = {neg_inf, neg_inf, neg_inf, neg_inf};  // four chains of max, not one 32 long
+    if (masked) {
+      for (int j = 0; j < kKeysT; ++j) {
+        seen[j] = _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(int(k0 + j)));
+        mxs[j % 4] = _mm512_max_ps(mxs[j % 4], _mm512_mask_mov_ps(neg_inf, seen[j], _mm512_load_ps(w.s[j])));
+      }
+    } else {
+      for (int j = 0; j < kKeysT; ++j) mxs[j % 4] = _mm512_max_ps(mxs[j % 4], _mm512_load_ps(w.s[j]));
+    }
+    const __m512 mx = _mm512_max_ps(_mm512_max_ps(mxs[0], mxs[1]), _mm512_max_ps(mxs[2], mxs[3]));
+    if (_mm512_cmp_ps_mask(mx, _mm512_add_ps(m, slack), _CMP_GT_OQ)) {  // move the max: rescale what is summed
+      const __m512 m_new = _mm512_max_ps(m, mx);
+      const __m512 corr = exp2_lanes(_mm512_mul_ps(_mm512_sub_ps(m, m_new), vc));  // 2^-126 on the first chunk
+      if (i > 0) {
+        store_o(w);
+        for (int d = 0; d < D; ++d) _mm512_store_ps(w.o[d], _mm512_mul_ps(_mm512_load_ps(w.o[d]), corr));
+        _tile_loadd(0, &w.o[0][0], 64);
+        _tile_loadd(1, &w.o[16][0], 64);
+        _tile_loadd(2, &w.o[32][0], 64);
+        _tile_loadd(3, &w.o[48][0], 64);
+      }
+      l = _mm512_mul_ps(l, corr);
+      m = m_new, mc = _mm512_mul_ps(m_new, vc);
+    }
+    uint32_t(*pt)[16] = w.pt[i & 1];
+    __m512 sums[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int j = 0; j < kKeysT; j += 2) {
+      __m512 e0 = exp2_lanes(_mm512_fmsub_ps(_mm512_load_ps(w.s[j]), vc, mc));
+      __m512 e1 = exp2_lanes(_mm512_fmsub_ps(_mm512_load_ps(w.s[j + 1]), vc, mc));
+      if (masked) e0 = _mm512_maskz_mov_ps(seen[j], e0), e1 = _mm512_maskz_mov_ps(seen[j + 1], e1);
+      sums[(j / 2) % 2] = _mm512_add_ps(sums[(j / 2) % 2], _mm512_add_ps(e0, e1));
+      _mm512_store_si512(pt[j / 2], _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)));
+    }
+    l = _mm512_add_ps(l, _mm512_add_ps(sums[0], sums[1]));
+  }
+  values(k0 - kKeysT, w.pt[((k0 / kKeysT) - 1) & 1][0]);
+  store_o(w);
+  _mm512_store_ps(w.inv, _mm512_div_ps(_mm512_set1_ps(1.f), l));
+  for (int t = 0; t < D / 16; ++t) {  // O^T's 16 x 16 blocks back to rows
+    __m512 r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(w.o[16 * t + i]);
+    transpose16(r);  // r[row]: dims 16 t .. 16 t + 15
+    for (int64_t row = 0; row < rows; ++row) {
+      c10::BFloat16* dst = P.out + offset(row) + 16 * t;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(r[row], _mm512_set1_ps(w.inv[row]))));
+    }
+  }
+}
+
 // One batch of groups: pack their keys (parallel over chunks), then their items (longest first).
 template <int D>
 AMX_TARGET void run_batch(const PrefillProblem& P, const std::vector<Group>& groups, const std::vector<Item>& items,
@@ -236,12 +451,22 @@ AMX_TARGET void run_batch(const PrefillProblem& P, const std::vector<Group>& gro
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(dynamic, 4)
-    for (int64_t c = 0; c < int64_t(chunks.size()); ++c) pack_chunk<D>(P, groups[chunks[c].first], chunks[c].second, buf.data());
+    for (int64_t c = 0; c < int64_t(chunks.size()); ++c) {
+      if constexpr (D == 64)
+        pack_chunk_t(P, groups[chunks[c].first], chunks[c].second, buf.data());
+      else
+        pack_chunk<D>(P, groups[chunks[c].first], chunks[c].second, buf.data());
+    }
     const TileConfig cfg;
     _tile_loadconfig(&cfg);
-    Scratch<D> w;
+    std::conditional_t<D == 64, ScratchT, Scratch<D>> w;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < int64_t(items.size()); ++i) run_item<D>(P, groups[items[i].group], items[i], buf.data(), w);
+    for (int64_t i = 0; i < int64_t(items.size()); ++i) {
+      if constexpr (D == 64)
+        run_item_t(P, groups[items[i].group], items[i], buf.data(), w);
+      else
+        run_item<D>(P, groups[items[i].group], items[i], buf.data(), w);
+    }
     _tile_release();
   }
 }
@@ -264,7 +489,8 @@ void run_all(const PrefillProblem& P) {
     const int64_t q_len = P.starts[s + 1] - P.starts[s], ctx = P.lens[s];
     if (q_len < P.min_q_len || q_len == 0) continue;
     for (int64_t h = 0; h < P.num_kv_heads; ++h) {
-      const int64_t size = padded(ctx) * D;  // K^T and V, half each, in uint32 pairs
+      const int64_t size = D == 64 ? (padded(ctx) + vt_stride(ctx)) * D / 2  // K, V^T (uint32 pairs)
+                                   : padded(ctx) * D;  // K^T and V, half each
       if (packed > 0 && (packed + size) * 4 > kPackBudget) flush();
       for (int64_t row = 0; row < q_len * group; row += kRows) {
         const int64_t last = std::min(q_len * group, row + kRows) - 1;
