@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -153,25 +154,95 @@ inline double exact_score(float shifted, uint64_t odd) {
   return static_cast<double>(shifted) - std::log(-std::log1p(-d));
 }
 
-int64_t row_race(const float* x, int64_t n, uint64_t key, uint64_t counter) {
+// The row's largest logit and its first index (-1 when nothing is finite: NaN never counts).
+inline std::pair<float, int64_t> row_top(const float* x, int64_t n) {
   float top = -std::numeric_limits<float>::infinity();
-  int64_t top_at = -1;
-  for (int64_t j = 0; j < n; ++j)
-    if (x[j] > top) top = x[j], top_at = j;
+  int64_t j = 0;
+#ifdef __AVX512F__
+  __m512 lanes = _mm512_set1_ps(top);
+  for (; j + kLanes <= n; j += kLanes) {
+    const __m512 v = _mm512_loadu_ps(x + j);
+    lanes = _mm512_mask_mov_ps(lanes, _mm512_cmp_ps_mask(v, lanes, _CMP_GT_OQ), v);  // a NaN is never greater
+  }
+  top = _mm512_reduce_max_ps(lanes);
+#endif
+  for (; j < n; ++j)
+    if (x[j] > top) top = x[j];
+  if (!(top > -std::numeric_limits<float>::infinity())) return {top, -1};
+  for (j = 0; x[j] != top; ++j) {
+  }
+  return {top, j};
+}
+
+int64_t row_race(const float* x, int64_t n, uint64_t key, uint64_t counter) {
+  const auto [top, top_at] = row_top(x, n);
   if (top_at < 0) return 0;  // nothing finite (or NaN only): as the torch twin's argmax of -inf/NaN
   const uint64_t base = row_base(key, counter);
   auto odd_at = [base](int64_t j) { return ((mix64(base + static_cast<uint64_t>(j + 1) * kGolden) >> 12) << 1) | 1; };
   // the row's largest logit first: its exact score makes a high bar at once
   double best = exact_score(0.0f, odd_at(top_at));
   int64_t best_at = top_at;
-  for (int64_t j = 0; j < n; ++j) {
+  auto consider = [&](int64_t j, float shifted, uint64_t odd) {
+    const double score = exact_score(shifted, odd);
+    if (score > best || (score == best && j < best_at)) best = score, best_at = j;
+  };
+  int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  // 16 elements at a time. No noise lifts an element by more than 53 ln 2 (d >= 2^-53), so a block
+  // whose logits all sit further than that below the best score is skipped unhashed; the others'
+  // noise is hashed 8 to a vector (msb(odd) exactly, as the exponent of odd in double: odd < 2^53)
+  // and only the elements whose bound reaches the best are scored exactly, in order, as below.
+  const __m512i golden = _mm512_set1_epi64(static_cast<int64_t>(kGolden)), one = _mm512_set1_epi64(1);
+  const __m512i c1 = _mm512_set1_epi64(static_cast<int64_t>(0xBF58476D1CE4E5B9ull));
+  const __m512i c2 = _mm512_set1_epi64(static_cast<int64_t>(0x94D049BB133111EBull));
+  // base + (j + 1 + lane) kGolden for lane 0..7 of each half of the block at j, moved on per block
+  __m512i start[2];
+  for (int half = 0; half < 2; ++half)
+    start[half] = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(base)),
+                                   _mm512_mullo_epi64(_mm512_set_epi64(8, 7, 6, 5, 4, 3, 2, 1), golden));
+  start[1] = _mm512_add_epi64(start[1], _mm512_set1_epi64(static_cast<int64_t>(8 * kGolden)));
+  const __m512i step = _mm512_set1_epi64(static_cast<int64_t>(16 * kGolden));
+  const __m512 vtop = _mm512_set1_ps(top);
+  alignas(64) uint64_t odds[8];
+  alignas(64) float shifted16[16];
+  for (; j + 16 <= n; j += 16, start[0] = _mm512_add_epi64(start[0], step), start[1] = _mm512_add_epi64(start[1], step)) {
+    const __m512 shifted = _mm512_sub_ps(_mm512_loadu_ps(x + j), vtop);
+    // best - 53 ln 2 - 1e-6, rounded down to a float: a conservative bar for the block
+    const float bar = std::nextafter(static_cast<float>(best - 53 * kLn2 - 1e-6), -std::numeric_limits<float>::infinity());
+    const __mmask16 live = _mm512_cmp_ps_mask(shifted, _mm512_set1_ps(bar), _CMP_GE_OQ);  // false for NaN, -inf
+    if (!live) continue;
+    _mm512_store_ps(shifted16, shifted);
+    for (int half = 0; half < 2; ++half) {
+      const __mmask8 live8 = static_cast<__mmask8>(live >> (8 * half));
+      if (!live8) continue;
+      __m512i h = start[half];
+      h = _mm512_xor_si512(h, _mm512_srli_epi64(h, 30));
+      h = _mm512_mullo_epi64(h, c1);
+      h = _mm512_xor_si512(h, _mm512_srli_epi64(h, 27));
+      h = _mm512_mullo_epi64(h, c2);
+      h = _mm512_xor_si512(h, _mm512_srli_epi64(h, 31));
+      const __m512i odd = _mm512_or_si512(_mm512_slli_epi64(_mm512_srli_epi64(h, 12), 1), one);
+      const __m512d msb = _mm512_getexp_pd(_mm512_cvtepu64_pd(odd));
+      const __m512d sd = _mm512_cvtps_pd(_mm256_loadu_ps(shifted16 + 8 * half));
+      const __m512d bound = _mm512_add_pd(sd, _mm512_mul_pd(_mm512_set1_pd(kLn2), _mm512_sub_pd(_mm512_set1_pd(53.0), msb)));
+      __mmask8 cand = live8 & _mm512_cmp_pd_mask(_mm512_add_pd(bound, _mm512_set1_pd(1e-6)), _mm512_set1_pd(best), _CMP_GE_OQ);
+      if (!cand) continue;
+      _mm512_store_si512(odds, odd);
+      for (; cand; cand &= cand - 1) {
+        const int lane = __builtin_ctz(cand);
+        const int64_t at = j + 8 * half + lane;
+        if (at != top_at) consider(at, shifted16[8 * half + lane], odds[lane]);
+      }
+    }
+  }
+#endif
+  for (; j < n; ++j) {
     const float shifted = x[j] - top;
     if (!(shifted > -std::numeric_limits<float>::infinity()) || j == top_at) continue;  // masked (or NaN)
     const uint64_t odd = odd_at(j);
     const double bound = static_cast<double>(shifted) + kLn2 * (53 - (63 - __builtin_clzll(odd)));
     if (bound + 1e-6 < best) continue;  // cannot reach the best even with its noise's largest value
-    const double score = exact_score(shifted, odd);
-    if (score > best || (score == best && j < best_at)) best = score, best_at = j;
+    consider(j, shifted, odd);
   }
   return best_at;
 }
