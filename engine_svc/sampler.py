@@ -119,9 +119,9 @@ class Sampler:
         if self.use_flashinfer and logits.is_cuda and all(r.generator is None for r in requests):
             return self._sample_flashinfer(logits, requests)
         raw = logits
-        temps = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, requests)],
-                             dtype=logits.dtype, device=logits.device)
-        logits = logits / temps.unsqueeze(1)
+        temps = [1.0 if g else r.params.temperature for g, r in zip(greedy, requests)]
+        if any(t != 1.0 for t in temps):  # 1.0 is the OpenAI default: no copy of the logits for it
+            logits = logits / torch.tensor(temps, dtype=logits.dtype, device=logits.device).unsqueeze(1)
         logits = _min_p(logits, requests)
         logits = _top_k_top_p(logits, requests)
         if logits.is_cpu:  # the race over counter-based noise, in C++
