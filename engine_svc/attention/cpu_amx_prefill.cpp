@@ -53,16 +53,20 @@ using pagedserve_simd::kInterleaveLo;
 
 int64_t padded(int64_t ctx) { return (ctx + kChunk - 1) / kChunk * kChunk; }
 
+// Key `key`'s row of group g in a pool, as bf16 pairs (nullptr past the context).
+template <int D>
+const uint32_t* pool_row(const PrefillProblem& P, const Group& g, const c10::BFloat16* cache, int64_t key) {
+  if (key >= g.ctx) return nullptr;
+  const int32_t* table = P.tables + g.seq * P.max_blocks;
+  const int64_t slot = int64_t(table[key / P.block_size]) * P.block_size + key % P.block_size;
+  return reinterpret_cast<const uint32_t*>(cache + (slot * P.num_kv_heads + g.kv_head) * D);
+}
+
 // K^T and V of keys [k0, k0 + 64) of one group, each half as large as its padded keys x D bf16.
 template <int D>
 void pack_chunk(const PrefillProblem& P, const Group& g, int64_t k0, uint32_t* buf) {
-  const int64_t row_stride = P.num_kv_heads * D, pad = padded(g.ctx);
-  const int32_t* table = P.tables + g.seq * P.max_blocks;
-  auto row = [&](const c10::BFloat16* cache, int64_t key) -> const uint32_t* {
-    if (key >= g.ctx) return nullptr;
-    const int64_t slot = int64_t(table[key / P.block_size]) * P.block_size + key % P.block_size;
-    return reinterpret_cast<const uint32_t*>(cache + slot * row_stride + g.kv_head * D);
-  };
+  const int64_t pad = padded(g.ctx);
+  auto row = [&](const c10::BFloat16* cache, int64_t key) { return pool_row<D>(P, g, cache, key); };
   uint32_t* kt = buf + g.packed;
   uint32_t* vp = kt + pad * D / 2;
   for (int64_t t0 = k0; t0 < k0 + kChunk; t0 += 16) {  // K^T: one 16 x 16 transpose per 32 dims of 16 keys
@@ -253,13 +257,8 @@ constexpr float kSlack = 8.f;
 
 void pack_chunk_t(const PrefillProblem& P, const Group& g, int64_t k0, uint32_t* buf) {
   constexpr int D = 64;
-  const int64_t row_stride = P.num_kv_heads * D, pad = padded(g.ctx);
-  const int32_t* table = P.tables + g.seq * P.max_blocks;
-  auto row = [&](const c10::BFloat16* cache, int64_t key) -> const uint32_t* {
-    if (key >= g.ctx) return nullptr;
-    const int64_t slot = int64_t(table[key / P.block_size]) * P.block_size + key % P.block_size;
-    return reinterpret_cast<const uint32_t*>(cache + slot * row_stride + g.kv_head * D);
-  };
+  const int64_t pad = padded(g.ctx);
+  auto row = [&](const c10::BFloat16* cache, int64_t key) { return pool_row<D>(P, g, cache, key); };
   uint32_t* k = buf + g.packed;  // [pad][32 pairs]
   auto* vt = reinterpret_cast<uint16_t*>(k + pad * D / 2);  // [64][vs]
   const int64_t vs = vt_stride(g.ctx);
