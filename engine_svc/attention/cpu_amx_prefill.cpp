@@ -286,16 +286,19 @@ void pack_chunk_t(const PrefillProblem& P, const Group& g, int64_t k0, uint32_t*
   }
 }
 
-// 2^t on 16 lanes for t <= kSlack (below -126: 2^-126): 2^round(t) times a cubic in f = t - round(t),
-// fitted to 2^f on [-1/2, 1/2] for relative error (< 7.5e-5; the weights are then rounded to bfloat16,
-// up to 2^-8 = 3.9e-3 relative)
+// 2^t on 16 lanes for t <= kSlack (below -126: 2^-126): 2^round(t) times a quartic in f = t - round(t),
+// fitted to 2^f on [-1/2, 1/2] for relative error (< 2.7e-6). A cubic (< 7.5e-5, 50x below the bfloat16
+// rounding of the weights that follows) measured worse: its error is systematic in f, and it moved the
+// default model's bfloat16 top-1 agreement with float32 from 98.18% to 97.68% (this quartic: 98.18%,
+// mean |d logprob| 0.0180 against the cubic's 0.0193 and the former kernel's 0.0190; one thread)
 inline __m512 exp2_lanes(__m512 t) {
   t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
   const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, k);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(5.5171079934e-02f), f, _mm512_set1_ps(2.4261111021e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9326108694e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9992805719e-01f));
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(9.5700211823e-03f), f, _mm512_set1_ps(5.5917859077e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024747312e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9312179089e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9999928474e-01f));
   return _mm512_scalef_ps(p, k);
 }
 
