@@ -67,8 +67,10 @@ def rope_tables(spec: ModelSpec, max_positions: int, dtype, device) -> tuple[tor
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D]; cos/sin [T, 1, D]; rotate-half convention (HF's, after GGUF un-permuting)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    x1, x2 = x[..., :half], x[..., half:]
+    # x * cos + rotate_half(x) * sin, each half written once: a rotate_half built by torch.cat became
+    # copies of its own in inductor's C++, run by one thread
+    return torch.cat((x1 * cos[..., :half] - x2 * sin[..., :half], x2 * cos[..., half:] + x1 * sin[..., half:]), dim=-1)
 
 
 class DecoderLayer(nn.Module):
