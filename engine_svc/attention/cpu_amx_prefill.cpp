@@ -244,10 +244,11 @@ void run_item(const PrefillProblem& P, const Group& g, const Item& it, const uin
 // float32 sum or a bfloat16 weight (FlashAttention-4's conditional rescaling).
 //   pack   K   [padded keys][64]   rows as they are in the pool (zero past the context)
 //          V^T [64][vt_stride]     one 16 x 16 transpose of dim pairs per 16 keys, each pair split in two rows
-// Measured on a Xeon with AMX (2 cores; one 2,048-token prompt, 9 query and 3 kv heads, one layer, old
-// and new form alternating in one process): 7.8 -> 5.8 ms with 2 threads, 13.9 -> 10.4 ms with one.
-// Tile and vector work did not overlap there (each alone: ~5.2 and ~4.1 ms of the 10.4): what is left
-// is the tile products and their loads, and the exp.
+// Measured on a Xeon with AMX (2 cores; one 2,048-token prompt, 9 query and 3 kv heads, one layer):
+// 14.0-15.0 -> 8.7-12.0 ms with one thread; with two the runs overlapped (5.7-7.6 against 5.9-6.3 ms),
+// and the engine's whole prefill went 0.547 -> 0.491 s (README). Tile and vector work did not overlap
+// there (each alone: ~5.2 and ~4.1 ms of 10.4, one thread): what is left is the tile products and
+// their loads, and the exp.
 
 constexpr int kKeysT = 32;
 // V^T's row stride, in bfloat16: its padded keys and 32 more, so that the 16 rows of a tile load fall in
