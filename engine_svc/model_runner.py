@@ -22,7 +22,7 @@ import torch
 from engine_svc import cpu_info
 from engine_svc.attention import AttentionBackend, AttentionMetadata, get_backend
 from engine_svc.attention.step import PagedAttention
-from engine_svc.compiled import WARM_UP_TOKENS, CompiledForward
+from engine_svc.compiled import CompiledForward, warm_up_tokens
 from engine_svc.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine_svc.host_memory import keep_freed_memory
 from engine_svc.models import load_model, load_spec
@@ -145,7 +145,7 @@ class ModelRunner:
 
     def warm_up(self) -> None:
         """Run every graph shape once before the first request (compiles the forward and builds the
-        CPU attention kernels): steps of WARM_UP_TOKENS tokens written into the null block 0."""
+        CPU attention kernels): steps of `warm_up_tokens` tokens written into the null block 0."""
         start = time.monotonic()
         try:
             self._warm_up_steps()
@@ -160,7 +160,7 @@ class ModelRunner:
                         time.monotonic() - start)
 
     def _warm_up_steps(self) -> None:
-        for num_tokens in WARM_UP_TOKENS:
+        for num_tokens in warm_up_tokens(min(self.config.max_num_batched_tokens, self.max_model_len)):
             blocks = [0] * -(-num_tokens // self.block_size)
             self.execute(SchedulerOutput(chunks=[ScheduledChunk("warm-up", [0] * num_tokens, 0, blocks, True)]))
 
