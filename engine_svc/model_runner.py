@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from engine_svc import cpu_info
-from engine_svc.attention import AttentionBackend, AttentionMetadata, get_backend
+from engine_svc.attention import AttentionBackend, AttentionMetadata, cpu_ops, get_backend
 from engine_svc.attention.step import PagedAttention
 from engine_svc.compiled import CompiledForward, warm_up_tokens
 from engine_svc.config import DEFAULT_CPU_KV_BYTES, EngineConfig
@@ -84,6 +84,8 @@ class ModelRunner:
                     spec.architecture, self.model_dir, self.device, str(self.dtype).removeprefix("torch."),
                     self.backend.name, self.num_blocks, self.block_size,
                     self.num_blocks * self.kv_bytes_per_block / 2**20)
+        if self.device.type == "cpu":
+            cpu_ops.calibrate_amx_rows(self.model.packed_matrices())
         self.warm_up()
         if self.device.type == "cpu":
             # after the weights, their prepacked copies and the pool are placed (as glibc places them

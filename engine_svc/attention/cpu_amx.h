@@ -19,8 +19,9 @@
 
 namespace pagedserve::amx {
 
-// token rows the AMX linear takes: measured here against oneDNN (30 layers' weights), the tiles win up to
-// 128 rows (29 against 38 ms) and lose from 256 (62 against 52 ms), where oneDNN's blocking runs faster
+// token rows the AMX linear takes: measured on one Xeon VM against oneDNN (30 layers' weights), the tiles
+// won up to 128 rows (29 against 38 ms) and lost from 256 (62 against 52 ms), where oneDNN's blocking
+// runs faster. The linear op's own limit (cpu_gemv.cpp's amx_rows) is measured at start-up, up to this.
 constexpr int64_t kMaxRows = 128;
 
 // True once this CPU has AMX-BF16 and Linux granted this process the tile state.

@@ -22,10 +22,13 @@
 // for a 2,048-token prefill; float32 0.76x at 8 and 32 rows, 0.96x at 256. The price is a second
 // copy of every weight (the plain one stays: the GEMV loop, the AMX tiles and the embedding read it).
 //
-// On a CPU with AMX (Intel Sapphire Rapids and later) bfloat16 rows up to 128 go to cpu_amx.cpp
+// On a CPU with AMX (Intel Sapphire Rapids and later) bfloat16 rows up to amx_rows() go to cpu_amx.cpp
 // instead: there this loop is compute-bound from 3-4 rows (41 ms for 30 layers' weights at 8 rows,
-// against 10-12 ms through the tiles, which stream at memory speed up to 16 rows and beat oneDNN's
-// 20-37 ms up to 128; at one row the tiles were 13.3 against 15.2 ms with the LM head).
+// against 10-12 ms through the tiles, which stream at memory speed up to 16 rows; at one row the
+// tiles were 13.3 against 15.2 ms with the LM head). Where the tiles stop beating oneDNN depends on
+// the machine: past 128 rows on one Xeon VM (29 against 38 ms at 128), past 32 on another (48 rows:
+// 26.0 against 25.2 ms; 128: 45.8 against 36.2), so the engine measures it at start-up with its own
+// weights (cpu_ops.calibrate_amx_rows) and sets it here; until then it is kMaxRows.
 
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
@@ -39,6 +42,7 @@
 #include "cpu_amx.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <type_traits>
@@ -225,6 +229,17 @@ bool onednn_takes(const at::Tensor& x, const at::Tensor& weight, const c10::opti
          (!bias.has_value() || !bias->defined() || bias->scalar_type() == at::kFloat);
 }
 
+// The most token rows `linear` hands to the tiles (0: none); linear_amx itself takes up to kMaxRows.
+std::atomic<int64_t> amx_rows_limit{pagedserve::amx::kMaxRows};
+
+int64_t amx_rows() { return amx_rows_limit.load(std::memory_order_relaxed); }
+
+void set_amx_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 0 && rows <= pagedserve::amx::kMaxRows, "set_amx_rows: 0..", pagedserve::amx::kMaxRows,
+              " rows, got ", rows);
+  amx_rows_limit.store(rows, std::memory_order_relaxed);
+}
+
 // The AMX kernel takes these: bfloat16, contiguous, K in tile-wide steps, N in blocks of 16 rows.
 bool amx_takes(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, int64_t M) {
   const int64_t K = x.size(-1), N = weight.size(0);
@@ -278,7 +293,7 @@ at::Tensor vector_linear(const at::Tensor& x, const at::Tensor& weight, const c1
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                   int64_t packed) {
   const int64_t K = x.size(-1), M = K > 0 ? x.numel() / K : 0;
-  if (pagedserve::amx::available() && amx_takes(x, weight, bias, M)) {
+  if (M <= amx_rows() && pagedserve::amx::available() && amx_takes(x, weight, bias, M)) {
     if (packed >= 0) packed_weights().get(packed, weight);  // the tiles read weight itself; the handle must still match
     return amx_linear(x, weight, bias);
   }
@@ -295,6 +310,8 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("pack_linear_weight(Tensor weight, int batch_size) -> int", &pack_linear_weight);
   m.def("release_linear_weight(int handle) -> ()", &release_linear_weight);
   m.def("num_packed_weights() -> int", &num_packed_weights);
+  m.def("amx_rows() -> int", &amx_rows);
+  m.def("set_amx_rows(int rows) -> ()", &set_amx_rows);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {

@@ -1,7 +1,7 @@
 """Builds and loads the C++ CPU kernels on first use: cpu_kernels.cpp (paged decode attention),
 the KV write, cpu_prefill.cpp (paged prefill attention, bfloat16 and float32), cpu_gemv.cpp (the small-batch linear layer),
 cpu_bitmask.cpp (structured outputs' logits mask) and cpu_sampling.cpp (sampling: greedy's argmax, the race at temperature > 0);
-on a CPU with AMX-BF16, cpu_amx.cpp (the linear layer for up to 64 rows) and cpu_amx_prefill.cpp
+on a CPU with AMX-BF16, cpu_amx.cpp (the linear layer for up to `calibrate_amx_rows` rows) and cpu_amx_prefill.cpp
 (bfloat16 prefill attention) on the tile units, chosen at run time inside the ops (the AVX512-BF16
 build compiles them; ``amx_available`` says whether this CPU and kernel grant the tiles).
 
@@ -119,6 +119,53 @@ class PackedWeights:
 
     def handle(self, name: str) -> int:
         return self.handles[name]
+
+
+AMX_ROWS_TRIED = (16, 32, 48, 64, 96, 128)  # up to cpu_amx.h's kMaxRows
+_amx_rows_measured: dict[tuple, int] = {}  # the answer for a set of matrix shapes, measured once a process
+
+
+def calibrate_amx_rows(matrices: list[tuple[torch.Tensor, int]]) -> int | None:
+    """Measure up to how many token rows the AMX tiles beat the rest of the linear op (oneDNN from
+    the packed copy) on these (weight, packed handle) pairs, a model's layer matrices, and set the
+    op's limit there (torch.ops.pagedserve_cpu.set_amx_rows). Each count of AMX_ROWS_TRIED runs every
+    matrix through both paths, alternating, best of three; the first count the tiles lose ends the
+    search. The crossover is the machine's: past 128 rows on one Xeon VM, 32 on another. Returns the
+    limit set, or None (nothing set) without the tiles or a bfloat16 matrix they take."""
+    ops = torch.ops.pagedserve_cpu
+    matrices = [(w, h) for w, h in matrices if h is not None and w.dtype == torch.bfloat16 and w.dim() == 2
+                and w.is_contiguous() and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0]
+    if linear_op() is None or not ops.amx_available() or not matrices:
+        return None
+    key = tuple(tuple(w.shape) for w, _ in matrices)
+    if key not in _amx_rows_measured:
+        _amx_rows_measured[key] = _measure_amx_rows(matrices)
+    rows = _amx_rows_measured[key]
+    ops.set_amx_rows(rows)
+    return rows
+
+
+def _measure_amx_rows(matrices: list[tuple[torch.Tensor, int]]) -> int:
+    ops = torch.ops.pagedserve_cpu
+    paths = {"tiles": lambda x, w, h: ops.linear_amx(x, w, None), "oneDNN": lambda x, w, h: ops.linear_vector(x, w, None, h)}
+    gen = torch.Generator().manual_seed(0)
+    rows, seen = 0, []
+    for count in AMX_ROWS_TRIED:
+        xs = {k: torch.randn(count, k, generator=gen).bfloat16() for k in {w.shape[1] for w, _ in matrices}}
+        best = dict.fromkeys(paths, float("inf"))
+        for _ in range(3):
+            for name, path in paths.items():
+                start = time.perf_counter()
+                for w, h in matrices:
+                    path(xs[w.shape[1]], w, h)
+                best[name] = min(best[name], time.perf_counter() - start)
+        seen.append(f"{count}: {best['tiles'] * 1e3:.1f}/{best['oneDNN'] * 1e3:.1f}")
+        if best["tiles"] > best["oneDNN"]:
+            break
+        rows = count
+    logger.info("AMX linear for up to %d token rows (ms for %d matrices, tiles/oneDNN, by rows: %s)",
+                rows, len(matrices), ", ".join(seen))
+    return rows
 
 
 def _release(handles: list[int]) -> None:

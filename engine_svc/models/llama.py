@@ -163,6 +163,13 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
+    def packed_matrices(self) -> list[tuple[torch.Tensor, int]]:
+        """Every layer's (weight, packed handle) pair, for cpu_ops.calibrate_amx_rows; empty when
+        the linear op is not used."""
+        return [(w, h) for layer in self.layers
+                for w, h in ((layer.qkv_w, layer.packed_qkv), (layer.o_w, layer.packed_o),
+                             (layer.gate_up_w, layer.packed_gate_up), (layer.down_w, layer.packed_down)) if h is not None]
+
     def bind_attention(self, attention_id: int) -> None:
         for layer in self.layers:
             layer.attention_id = attention_id

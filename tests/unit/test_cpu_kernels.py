@@ -282,8 +282,39 @@ def test_small_batch_linear_matches_torch(kernel, op, dtype, num_rows, num_out, 
     ref = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=5e-2)  # bf16: one rounding
     torch.testing.assert_close(out[0].double(), ref, **tol)
-    if op == "linear" and amx_serves and torch.ops.pagedserve_cpu.amx_available():
+    if (op == "linear" and amx_serves and torch.ops.pagedserve_cpu.amx_available()
+            and num_rows <= torch.ops.pagedserve_cpu.amx_rows()):
         assert torch.equal(out, torch.ops.pagedserve_cpu.linear_amx(x.view(1, num_rows, 96), weight, bias))
+
+
+def test_amx_rows_limit_decides_the_path(kernel):
+    """`linear` hands a bfloat16 batch to the tiles up to amx_rows() token rows and to linear_vector
+    past it; the limit takes 0..128 only. calibrate_amx_rows measures it on a model's matrices once
+    for their shapes, sets it, and answers None (setting nothing) where it cannot use the tiles."""
+    ops = torch.ops.pagedserve_cpu
+    before = ops.amx_rows()
+    gen = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(40, 96, generator=gen).bfloat16(), torch.randn(64, 96, generator=gen).bfloat16()
+    handle = ops.pack_linear_weight(weight, 64)
+    try:
+        with pytest.raises(RuntimeError, match="set_amx_rows: 0..128"):
+            ops.set_amx_rows(129)
+        assert cpu_ops.calibrate_amx_rows([(weight.float(), handle)]) is None  # float32: not for the tiles
+        assert ops.amx_rows() == before
+        ops.set_amx_rows(32)
+        assert torch.equal(ops.linear(x, weight, None, handle), ops.linear_vector(x, weight, None, handle))
+        if not ops.amx_available():
+            assert cpu_ops.calibrate_amx_rows([(weight, handle)]) is None
+            return
+        ops.set_amx_rows(64)
+        assert torch.equal(ops.linear(x, weight, None, handle), ops.linear_amx(x, weight, None))
+        rows = cpu_ops.calibrate_amx_rows([(weight, handle)] * 4)
+        assert rows in (0, *cpu_ops.AMX_ROWS_TRIED) and ops.amx_rows() == rows
+        ops.set_amx_rows(7)
+        assert cpu_ops.calibrate_amx_rows([(weight, handle)] * 4) == rows and ops.amx_rows() == rows  # measured once
+    finally:
+        ops.release_linear_weight(handle)
+        ops.set_amx_rows(before)
 
 
 def test_packed_weights_are_checked_and_released(kernel, tiny_llama_dir):
