@@ -205,11 +205,16 @@ int64_t row_race(const float* x, int64_t n, uint64_t key, uint64_t counter) {
   const __m512 vtop = _mm512_set1_ps(top);
   alignas(64) uint64_t odds[8];
   alignas(64) float shifted16[16];
+  // best - 53 ln 2 - 1e-6, rounded down to a float: a conservative bar for a block, redone when best moves
+  auto bar_of = [](double b) {
+    return _mm512_set1_ps(std::nextafter(static_cast<float>(b - 53 * kLn2 - 1e-6), -std::numeric_limits<float>::infinity()));
+  };
+  double bar_best = best;
+  __m512 bar = bar_of(best);
   for (; j + 16 <= n; j += 16, start[0] = _mm512_add_epi64(start[0], step), start[1] = _mm512_add_epi64(start[1], step)) {
     const __m512 shifted = _mm512_sub_ps(_mm512_loadu_ps(x + j), vtop);
-    // best - 53 ln 2 - 1e-6, rounded down to a float: a conservative bar for the block
-    const float bar = std::nextafter(static_cast<float>(best - 53 * kLn2 - 1e-6), -std::numeric_limits<float>::infinity());
-    const __mmask16 live = _mm512_cmp_ps_mask(shifted, _mm512_set1_ps(bar), _CMP_GE_OQ);  // false for NaN, -inf
+    if (best != bar_best) bar_best = best, bar = bar_of(best);
+    const __mmask16 live = _mm512_cmp_ps_mask(shifted, bar, _CMP_GE_OQ);  // false for NaN, -inf
     if (!live) continue;
     _mm512_store_ps(shifted16, shifted);
     for (int half = 0; half < 2; ++half) {
