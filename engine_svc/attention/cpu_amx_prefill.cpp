@@ -303,6 +303,21 @@ inline __m512 exp2_lanes(__m512 t) {
   return _mm512_scalef_ps(p, k);
 }
 
+// The same 2^t for the weights, where t is finite (a score less the max, scaled): VREDUCEPS gives f =
+// t - floor(t) in [0, 1) in one instruction, VSCALEFPS takes floor(t) by itself, and the quartic is the
+// one above moved to [0, 1) (sqrt(2) p(f - 1/2), the same relative error). Six vector instructions
+// instead of eight; below 2^-149 the result is 0. One layer of a 2,048-token prompt, one thread,
+// alternating in one process: 12.70 / 13.50 / 11.53 -> 11.29 / 11.79 / 10.55 ms (median, three runs);
+// two threads 6.67 -> 5.83 ms.
+inline __m512 exp2_finite(__m512 t) {
+  const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.3534054160e-02f), f, _mm512_set1_ps(5.2011687309e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4144262075e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9300383329e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000026226e+00f));
+  return _mm512_scalef_ps(p, t);
+}
+
 struct ScratchT {
   alignas(64) uint32_t qt[32][16];  // Q^T: dim pair x row
   alignas(64) float s[kKeysT][16];  // S^T of the chunk: key x row
@@ -420,8 +435,8 @@ AMX_TARGET void run_item_t(const PrefillProblem& P, const Group& g, const Item& 
     uint32_t(*pt)[16] = w.pt[i & 1];
     __m512 sums[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int j = 0; j < kKeysT; j += 2) {
-      __m512 e0 = exp2_lanes(_mm512_fmsub_ps(_mm512_load_ps(w.s[j]), vc, mc));
-      __m512 e1 = exp2_lanes(_mm512_fmsub_ps(_mm512_load_ps(w.s[j + 1]), vc, mc));
+      __m512 e0 = exp2_finite(_mm512_fmsub_ps(_mm512_load_ps(w.s[j]), vc, mc));
+      __m512 e1 = exp2_finite(_mm512_fmsub_ps(_mm512_load_ps(w.s[j + 1]), vc, mc));
       if (masked) e0 = _mm512_maskz_mov_ps(seen[j], e0), e1 = _mm512_maskz_mov_ps(seen[j + 1], e1);
       sums[(j / 2) % 2] = _mm512_add_ps(sums[(j / 2) % 2], _mm512_add_ps(e0, e1));
       _mm512_store_si512(pt[j / 2], _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)));
