@@ -43,7 +43,6 @@
 #include "cpu_simd.h"
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -185,15 +184,12 @@ class PackedWeights {
 
   // The packed copy of `weight` under `handle`; raises unless it was packed from a matrix of
   // weight's shape and dtype.
-  at::Tensor get(int64_t handle, const at::Tensor& weight) { return get(handle, weight.sizes(), weight.scalar_type()); }
-
-  // The same for a matrix of these sizes and dtype (a part of a larger one, without making a view of it).
-  at::Tensor get(int64_t handle, c10::IntArrayRef sizes, at::ScalarType dtype) {
+  at::Tensor get(int64_t handle, const at::Tensor& weight) {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(slots_.size()) && slots_[handle].packed.defined(),
                 "linear: no packed weight ", handle);
     const Slot& slot = slots_[handle];
-    TORCH_CHECK(c10::IntArrayRef(slot.sizes) == sizes && slot.dtype == dtype,
+    TORCH_CHECK(slot.sizes == weight.sizes().vec() && slot.dtype == weight.scalar_type(),
                 "linear: packed weight ", handle, " was packed from another matrix");
     return slot.packed;
   }
@@ -377,9 +373,8 @@ at::Tensor gate_up_silu(const at::Tensor& x, const at::Tensor& weight, const c10
   sizes.back() = I;
   const bool tiles = M <= amx_rows() && pagedserve::amx::available() && amx_takes(x, weight, bias, M);
   if (packed_gate >= 0) {
-    const std::array<int64_t, 2> half{I, K};  // each half's packed copy is checked without a view of it
-    const at::Tensor pg = packed_weights().get(packed_gate, half, weight.scalar_type());
-    const at::Tensor pu = packed_weights().get(packed_up, half, weight.scalar_type());
+    const at::Tensor wg = weight.narrow(0, 0, I), wu = weight.narrow(0, I, I);
+    const at::Tensor pg = packed_weights().get(packed_gate, wg), pu = packed_weights().get(packed_up, wu);
     if (M > 0 && !tiles && !gemv_takes(x, weight, bias, M)) {
       static const c10::OperatorHandle unary = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
       static const c10::OperatorHandle binary =
