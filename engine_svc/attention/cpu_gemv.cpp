@@ -40,11 +40,9 @@
 #include <torch/library.h>
 
 #include "cpu_amx.h"
-#include "cpu_simd.h"
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstdint>
 #include <mutex>
 #include <type_traits>
@@ -267,21 +265,6 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::
   return y;
 }
 
-// The GEMV loop takes these: bfloat16 or float32 throughout, contiguous, K in steps of 32, a few rows.
-bool gemv_takes(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, int64_t M) {
-#ifdef PAGEDSERVE_BF16_GEMV
-  const int64_t K = x.size(-1), N = weight.size(0);
-  const auto dtype = x.scalar_type();
-  const bool has_bias = bias.has_value() && bias->defined();
-  return (dtype == at::kBFloat16 || dtype == at::kFloat) && weight.scalar_type() == dtype && weight.dim() == 2 &&
-         weight.size(1) == K && weight.is_contiguous() && K % 32 == 0 && M >= 1 &&
-         M <= (dtype == at::kFloat ? kMaxRowsF32 : kMaxRowsBf16) &&
-         (!has_bias || (bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == N));
-#else
-  return false;
-#endif
-}
-
 // The GEMV loop for a few rows, oneDNN (or at::linear) for the rest: never the tiles. With a packed
 // handle (>= 0) the rest goes to oneDNN with that packed copy of weight; the handle is checked
 // against weight whichever path runs.
@@ -289,10 +272,14 @@ at::Tensor vector_linear(const at::Tensor& x, const at::Tensor& weight, const c1
                          int64_t packed) {
   const at::Tensor packed_weight = packed >= 0 ? packed_weights().get(packed, weight) : at::Tensor();
 #ifdef PAGEDSERVE_BF16_GEMV
-  const int64_t K = x.size(-1), M = K > 0 ? x.numel() / K : 0;
+  const int64_t K = x.size(-1), N = weight.size(0);
+  const int64_t M = K > 0 ? x.numel() / K : 0;
   const bool has_bias = bias.has_value() && bias->defined();
-  if (gemv_takes(x, weight, bias, M)) {
-    if (x.scalar_type() == at::kFloat)
+  const auto dtype = x.scalar_type();
+  if ((dtype == at::kBFloat16 || dtype == at::kFloat) && weight.scalar_type() == dtype && weight.dim() == 2 &&
+      weight.size(1) == K && weight.is_contiguous() && K % 32 == 0 && M >= 1 && M <= (dtype == at::kFloat ? kMaxRowsF32 : kMaxRowsBf16) &&
+      (!has_bias || (bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == N))) {
+    if (dtype == at::kFloat)
       return small_batch_linear<float>(x, weight, has_bias ? bias->data_ptr<float>() : nullptr, M);
     return small_batch_linear<c10::BFloat16>(x, weight, has_bias ? bias->data_ptr<c10::BFloat16>() : nullptr, M);
   }
@@ -313,98 +300,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   return vector_linear(x, weight, bias, packed);
 }
 
-// ---- the MLP's up projection: silu(x Wg^T + bg) * (x Wu^T + bu), W = [Wg; Wu] ------------------------
-// A prefill-sized M goes to oneDNN as two GEMMs whose epilogues do the pointwise work: the gate's
-// applies SiLU (oneDNN's swish), the up projection's multiplies by that gate (a binary post-op), so
-// the [M, 2 I] product is never written out and read back (12.6 MB a layer for 2,048 tokens of the
-// default model, bfloat16). The gate is rounded to the dtype after its SiLU, where the single GEMM
-// rounded it before. Measured on the model-167 Xeon (2 threads, 2,048 x 576 -> 1,536, same process,
-// alternating): 3.18-3.27 / 3.56-3.71 ms (min / median) against 3.57-3.74 / 3.89-4.38 for the one
-// GEMM and inductor's fused SiLU x up after it; at 512 rows 0.99 / 1.10 against 1.12 / 1.24.
-// Fewer rows (the tiles, the GEMV loop) or no packed copies: linear() and then one pass of SiLU x up.
-
-inline float silu_scalar(float g) { return g / (1.f + std::exp(-g)); }
-
-template <typename T>
-void silu_mul_rows(const T* gu, T* out, int64_t M, int64_t I) {
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const T* g = gu + m * 2 * I;
-      const T* u = g + I;
-      T* o = out + m * I;
-      int64_t i = 0;
-#ifdef PAGEDSERVE_BF16_GEMV
-      for (; i + 16 <= I; i += 16) {
-        __m512 gv, uv;
-        if constexpr (std::is_same_v<T, float>) {
-          gv = _mm512_loadu_ps(g + i), uv = _mm512_loadu_ps(u + i);
-        } else {
-          gv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + i))), 16));
-          uv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + i))), 16));
-        }
-        // sigmoid from e = exp(-|g|) <= 1: 1 / (1 + e) for g >= 0, e / (1 + e) below
-        const __m512 e = pagedserve_simd::exp512_nonpos(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
-        const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
-        const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, _mm512_set1_ps(1.f), e), _mm512_add_ps(_mm512_set1_ps(1.f), e));
-        const __m512 y = _mm512_mul_ps(_mm512_mul_ps(gv, sig), uv);
-        if constexpr (std::is_same_v<T, float>)
-          _mm512_storeu_ps(o + i, y);
-        else
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), (__m256i)_mm512_cvtneps_pbh(y));
-      }
-#endif
-      for (; i < I; ++i) o[i] = static_cast<T>(silu_scalar(static_cast<float>(g[i])) * static_cast<float>(u[i]));
-    }
-  });
-}
-
-at::Tensor gate_up_silu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                        int64_t packed_gate, int64_t packed_up) {
-  TORCH_CHECK(weight.dim() == 2 && weight.size(0) % 2 == 0 && x.dim() >= 1 && x.size(-1) == weight.size(1),
-              "gate_up_silu: weight is [2 x intermediate, hidden] and x [..., hidden]");
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              "gate_up_silu: x and weight both bfloat16 or both float32");
-  TORCH_CHECK((packed_gate >= 0) == (packed_up >= 0), "gate_up_silu: both halves packed or neither");
-  const int64_t I = weight.size(0) / 2, K = x.size(-1), M = K > 0 ? x.numel() / K : 0;
-  const bool has_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK(!has_bias || (bias->scalar_type() == weight.scalar_type() && bias->numel() == 2 * I),
-              "gate_up_silu: bias is [2 x intermediate] in weight's dtype");
-  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
-  sizes.back() = I;
-  const bool tiles = M <= amx_rows() && pagedserve::amx::available() && amx_takes(x, weight, bias, M);
-  if (packed_gate >= 0) {
-    const at::Tensor wg = weight.narrow(0, 0, I), wu = weight.narrow(0, I, I);
-    const at::Tensor pg = packed_weights().get(packed_gate, wg), pu = packed_weights().get(packed_up, wu);
-    if (M > 0 && !tiles && !gemv_takes(x, weight, bias, M)) {
-      static const c10::OperatorHandle unary = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-      static const c10::OperatorHandle binary =
-          c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "binary");
-      const at::Tensor x2 = x.reshape({M, K}).contiguous();
-      const c10::optional<at::Tensor> bg = has_bias ? c10::optional<at::Tensor>(bias->narrow(0, 0, I).contiguous()) : c10::nullopt;
-      const c10::optional<at::Tensor> bu = has_bias ? c10::optional<at::Tensor>(bias->narrow(0, I, I).contiguous()) : c10::nullopt;
-      torch::jit::Stack gate{x2, pg, bg, std::string("swish"), c10::List<c10::optional<at::Scalar>>(), c10::IValue()};
-      unary.callBoxed(&gate);
-      torch::jit::Stack up{x2, gate[0].toTensor(), pu, bu, std::string("mul")};
-      binary.callBoxed(&up);
-      return up[0].toTensor().view(sizes);
-    }
-  }
-  const at::Tensor gu = linear(x, weight, bias, -1).contiguous();
-  at::Tensor out = at::empty(sizes, x.options());
-  if (x.scalar_type() == at::kFloat)
-    silu_mul_rows<float>(gu.data_ptr<float>(), out.data_ptr<float>(), M, I);
-  else
-    silu_mul_rows<c10::BFloat16>(gu.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), M, I);
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias, int packed=-1) -> Tensor");
   m.def("linear_amx(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("linear_vector(Tensor x, Tensor weight, Tensor? bias, int packed=-1) -> Tensor");
-  m.def("gate_up_silu(Tensor x, Tensor weight, Tensor? bias, int packed_gate=-1, int packed_up=-1) -> Tensor");
   m.def("amx_available() -> bool", &pagedserve::amx::available);
   m.def("pack_linear_weight(Tensor weight, int batch_size) -> int", &pack_linear_weight);
   m.def("release_linear_weight(int handle) -> ()", &release_linear_weight);
@@ -417,5 +318,4 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("linear", &linear);
   m.impl("linear_amx", &amx_linear);
   m.impl("linear_vector", &vector_linear);
-  m.impl("gate_up_silu", &gate_up_silu);
 }

@@ -196,8 +196,6 @@ def _load():
         # shapes for torch.compile: the ops themselves stay opaque inside a compiled graph
         torch.library.register_fake("pagedserve_cpu::linear")(
             lambda x, weight, bias=None, packed=-1: x.new_empty((*x.shape[:-1], weight.shape[0])))
-        torch.library.register_fake("pagedserve_cpu::gate_up_silu")(
-            lambda x, weight, bias=None, packed_gate=-1, packed_up=-1: x.new_empty((*x.shape[:-1], weight.shape[0] // 2)))
         return torch.ops.pagedserve_cpu.paged_decode
     except Exception as exc:  # noqa: BLE001 - any failure means "use the torch path", never a crash
         logger.warning("CPU attention kernels unavailable, using the pure-torch path: %s", exc)

@@ -35,18 +35,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     return torch.ops.pagedserve_cpu.linear(x, weight, bias, packed) if packed is not None else F.linear(x, weight, bias)
 
 
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 packed: tuple[int, int] | None) -> torch.Tensor:
-    """silu(gate) * up of the stacked [gate; up] projection; on a bfloat16 or float32 CPU model
-    (``packed``: the handles of the two halves' oneDNN-packed copies) through cpu_gemv.cpp, where a
-    prefill's rows get the pointwise work in oneDNN's epilogues instead of a pass over [tokens, 2 x
-    intermediate]."""
-    if packed is not None:
-        return torch.ops.pagedserve_cpu.gate_up_silu(x, weight, bias, *packed)
-    gate, up = F.linear(x, weight, bias).chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 def use_cpu_gemv(dtype: torch.dtype, device) -> bool:
     return torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float32) and cpu_ops.linear_op() is not None
 
@@ -122,12 +110,10 @@ class DecoderLayer(nn.Module):
         # the handles of the matrices' oneDNN-packed copies for the CPU linear op; None: F.linear
         self.packed_qkv = self.packed_o = self.packed_gate_up = self.packed_down = None
         if use_cpu_gemv(dtype, device):
-            gate, up = self.gate_up_w.chunk(2)
-            packed = cpu_ops.PackedWeights(self, {"qkv": self.qkv_w, "o": self.o_w, "gate": gate, "up": up,
+            packed = cpu_ops.PackedWeights(self, {"qkv": self.qkv_w, "o": self.o_w, "gate_up": self.gate_up_w,
                                                   "down": self.down_w})
             self.packed_qkv, self.packed_o = packed.handle("qkv"), packed.handle("o")
-            self.packed_gate_up = (packed.handle("gate"), packed.handle("up"))
-            self.packed_down = packed.handle("down")
+            self.packed_gate_up, self.packed_down = packed.handle("gate_up"), packed.handle("down")
 
     def forward(self, hidden, residual, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         spec, eps = self.spec, self.spec.rms_norm_eps
@@ -145,8 +131,8 @@ class DecoderLayer(nn.Module):
         attn = torch.ops.pagedserve.paged_attention(q, k, v, self.attention_id, self.layer)
         residual = residual + linear(attn.view(num_tokens, self.q_size), self.o_w, self.o_b, self.packed_o)
         x = rms_norm(residual, self.post_norm, eps)
-        return linear(gate_up_silu(x, self.gate_up_w, self.gate_up_b, self.packed_gate_up), self.down_w, self.down_b,
-                      self.packed_down), residual
+        gate, up = linear(x, self.gate_up_w, self.gate_up_b, self.packed_gate_up).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_w, self.down_b, self.packed_down), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -180,9 +166,9 @@ class LlamaForCausalLM(nn.Module):
     def packed_matrices(self) -> list[tuple[torch.Tensor, int]]:
         """Every layer's (weight, packed handle) pair, for cpu_ops.calibrate_amx_rows; empty when
         the linear op is not used."""
-        return [(w, h) for layer in self.layers if layer.packed_gate_up is not None
+        return [(w, h) for layer in self.layers
                 for w, h in ((layer.qkv_w, layer.packed_qkv), (layer.o_w, layer.packed_o),
-                             *zip(layer.gate_up_w.chunk(2), layer.packed_gate_up), (layer.down_w, layer.packed_down))]
+                             (layer.gate_up_w, layer.packed_gate_up), (layer.down_w, layer.packed_down)) if h is not None]
 
     def bind_attention(self, attention_id: int) -> None:
         for layer in self.layers:

@@ -12,7 +12,6 @@ import shutil
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine_svc import EngineConfig, LLMEngine
 from engine_svc.attention import TorchAttentionBackend, cpu_ops, torch_backend
@@ -288,45 +287,6 @@ def test_small_batch_linear_matches_torch(kernel, op, dtype, num_rows, num_out, 
         assert torch.equal(out, torch.ops.pagedserve_cpu.linear_amx(x.view(1, num_rows, 96), weight, bias))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_rows", [1, 9, 24, 25, 64, 65, 129, 300])  # the GEMV loop, the tiles, oneDNN
-@pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("packed", [False, True])
-def test_gate_up_silu_matches_torch(kernel, dtype, num_rows, with_bias, packed):
-    """gate_up_silu(x, [Wg; Wu], b) = silu(x Wg^T + bg) * (x Wu^T + bu), whichever path the rows take
-    (with packed halves a prefill's rows go to oneDNN with SiLU and the product in its epilogues)."""
-    ops = torch.ops.pagedserve_cpu
-    gen = torch.Generator().manual_seed(num_rows)
-    inter, hidden = 80, 96
-    weight = (torch.randn(2 * inter, hidden, generator=gen) * 0.2).to(dtype)
-    bias = (torch.randn(2 * inter, generator=gen) * 0.2).to(dtype) if with_bias else None
-    x = torch.randn(num_rows, hidden, generator=gen).to(dtype)
-    full = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
-    want = F.silu(full[:, :inter]) * full[:, inter:]
-    handles = [ops.pack_linear_weight(half, 64) for half in weight.chunk(2)] if packed else [-1, -1]
-    try:
-        got = ops.gate_up_silu(x, weight, bias, *handles)
-        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
-        assert got.shape == (num_rows, inter) and got.dtype == dtype
-        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
-        assert ops.gate_up_silu(x.view(1, num_rows, hidden), weight, bias, *handles).shape == (1, num_rows, inter)
-        if packed:
-            with pytest.raises(RuntimeError, match="both halves packed or neither"):
-                ops.gate_up_silu(x, weight, bias, handles[0], -1)
-            with pytest.raises(RuntimeError, match="no packed weight"):
-                ops.gate_up_silu(x, weight, bias, handles[0], 1 << 20)
-            with pytest.raises(RuntimeError, match="packed from another matrix"):
-                ops.gate_up_silu(x, weight[2:-2].contiguous(), None, *handles)
-    finally:
-        for handle in handles:
-            if handle >= 0:
-                ops.release_linear_weight(handle)
-    with pytest.raises(RuntimeError, match="2 x intermediate"):
-        ops.gate_up_silu(x, weight[1:], None)
-    with pytest.raises(RuntimeError, match="both bfloat16 or both float32"):
-        ops.gate_up_silu(x.half(), weight.half(), None)
-
-
 def test_amx_rows_limit_decides_the_path(kernel):
     """`linear` hands a bfloat16 batch to the tiles up to amx_rows() token rows and to linear_vector
     past it; the limit takes 0..128 only. calibrate_amx_rows measures it on a model's matrices once
@@ -383,7 +343,7 @@ def test_packed_weights_are_checked_and_released(kernel, tiny_llama_dir):
     ops.release_linear_weight(handle)
 
     model = load_model(tiny_llama_dir, dtype=torch.bfloat16, device="cpu")
-    assert ops.num_packed_weights() == before + 5 * len(model.layers) + 1  # five a layer (gate and up apart), the LM head
+    assert ops.num_packed_weights() == before + 4 * len(model.layers) + 1  # four a layer, the LM head
     del model
     gc.collect()
     assert ops.num_packed_weights() == before
