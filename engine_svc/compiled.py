@@ -1,8 +1,7 @@
 """The compiled forward: torch.compile with inductor over the whole decoder, attention left opaque.
 
-On CPU inductor writes C++ for everything between the matmuls (residual + RMSNorm and rotary
-fused into one loop each; SiLU x up is the linear op's own, cpu_gemv.cpp's gate_up_silu) and for
-the wrapper that calls them, and, with freezing, prepacks every weight once for oneDNN (bfloat16)
+On CPU inductor writes C++ for everything between the matmuls (residual + RMSNorm, rotary,
+SiLU x up fused into one loop each) and for the wrapper that calls them, and, with freezing, prepacks every weight once for oneDNN (bfloat16)
 or MKL (float32). One graph serves every token count: the token dimension is
 symbolic from the first call (`dynamic=True`), so a running server never recompiles; PyTorch
 specialises a dimension of size 1, which gives a second graph for one-token steps. Both are
