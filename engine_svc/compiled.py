@@ -1,9 +1,9 @@
 """The compiled forward: torch.compile with inductor over the whole decoder, attention left opaque.
 
 On CPU inductor writes C++ for everything between the matmuls (residual + RMSNorm, rotary,
-SiLU x up fused into one loop each) and for the wrapper that calls them, and, with freezing, prepacks every weight once for oneDNN (bfloat16)
-or MKL (float32). One graph serves every token count: the token dimension is
-symbolic from the first call (`dynamic=True`), so a running server never recompiles; PyTorch
+SiLU x up fused into one loop each) and for the wrapper that calls them, and, with freezing,
+prepacks every weight once for oneDNN (bfloat16) or MKL (float32). One graph serves every token
+count: the token dimension is symbolic from the first call (`dynamic=True`), so a running server never recompiles; PyTorch
 specialises a dimension of size 1, which gives a second graph for one-token steps. Both are
 compiled by `warm_up` before the engine takes work, and `num_compiles` counts every graph
 compiled, so a test can assert that a mixed workload compiles nothing more.
