@@ -10,7 +10,10 @@ Limits, measured first:
 Then the engine (default model, compiled unless --enforce-eager), each step timed alone:
 - decode at batch 1 and batch 256 (prompts of 128 tokens, ignore_eos): median step time, against
   the memory floor (batch 1) and as a share of the ceiling (2 x parameters x tokens / time); batch
-  256 again at temperature 1.0 (the sampler's draw on top of the forward; no target);
+  256 again at temperature 1.0 (the sampler's draw on top of the forward; no target). A batch-256
+  step also reads its sequences' KV (256 contexts of ~130 tokens: three times the weights'
+  bytes for the default model), so its own memory floor, weights and KV at the read bandwidth,
+  is printed with the share of the ceiling it leaves possible;
 - prefill of one 2,048-token prompt: time to the first token, as a share of the ceiling.
 The run sets OMP_NUM_THREADS to the CPUs it may use (as the engine service does) and never PASSIVE.
 """
@@ -56,21 +59,26 @@ def weight_bytes(engine: LLMEngine) -> tuple[int, int]:
 
 
 def decode_steps(engine: LLMEngine, batch: int, steps: int = 24, prompt_len: int = 128,
-                 temperature: float = 0.0) -> float:
-    """Median seconds of a pure decode step with `batch` sequences running."""
+                 temperature: float = 0.0, contexts: list[int] | None = None) -> float:
+    """Median seconds of a pure decode step with `batch` sequences running; ``contexts`` gets the
+    tokens each timed step's attention reads (all sequences' contexts, the new token's included)."""
     params = SamplingParams(temperature=temperature, max_tokens=steps + 40, ignore_eos=True)  # outlives the prefills
     for i in range(batch):
         engine.add_request(f"d{batch}-{i}", [(7 * i + j) % 3000 + 100 for j in range(prompt_len)], params)
-    times = []
+    times, read = [], []
     while engine.has_work():
         decoding = not engine.scheduler.waiting and all(r.num_computed_tokens >= len(r.prompt_token_ids)
                                                         for r in engine.scheduler.running)
+        context = sum(r.num_computed_tokens + 1 for r in engine.scheduler.running)
         t0 = time.perf_counter()
         engine.step()
         if decoding and len(engine.scheduler.running) == batch:
             times.append(time.perf_counter() - t0)
+            read.append(context)
             if len(times) == steps:
                 engine.abort_request([r.request_id for r in engine.scheduler.running])
+    if contexts is not None:
+        contexts += read[2:] or read
     return statistics.median(times[2:] or times)
 
 
@@ -103,7 +111,10 @@ def main() -> None:
     floor = nbytes / (bandwidth * 1e9)
     step1 = decode_steps(engine, 1)
     print(f"decode batch 1: {step1 * 1e3:.2f} ms", flush=True)
-    step256 = decode_steps(engine, 256, steps=12)
+    contexts: list[int] = []
+    step256 = decode_steps(engine, 256, steps=12, contexts=contexts)
+    kv_read = engine.runner.kv_bytes_per_block / engine.runner.block_size * statistics.mean(contexts)
+    floor256 = (nbytes + kv_read) / (bandwidth * 1e9)
     print(f"decode batch 256: {step256 * 1e3:.1f} ms", flush=True)
     sampled256 = decode_steps(engine, 256, steps=12, temperature=1.0)
     print(f"decode batch 256, temperature 1.0: {sampled256 * 1e3:.1f} ms", flush=True)
@@ -115,6 +126,8 @@ def main() -> None:
                   f"{step1 / floor:.2f}x floor", "<= 2x", target(step1 <= 2 * floor)],
                  ["decode step, batch 256", f"{step256 * 1e3:.1f} ms", f"ceiling {ceiling:.0f} GFLOP/s",
                   f"{share(256, step256):.0%}", ">= 60%", target(share(256, step256) >= 0.6)],
+                 ["... its memory floor", f"{floor256 * 1e3:.1f} ms",
+                  f"weights + {kv_read / 1e6:.0f} MB of KV", f"caps it at {share(256, floor256):.0%}", "", ""],
                  ["... at temperature 1.0", f"{sampled256 * 1e3:.1f} ms", f"greedy {step256 * 1e3:.1f} ms",
                   f"{sampled256 / step256:.2f}x greedy", "", ""],
                  ["prefill, 2,048 tokens", f"{prefill:.2f} s", f"ceiling {ceiling:.0f} GFLOP/s",
