@@ -24,7 +24,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -104,6 +104,7 @@ inline float exp_nonpos(float x) {
 
 struct Shape {
   int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, num_blocks;
+  int64_t q_stride;  // elements from one sequence's query row to the next (a slice of the fused qkv: wider than its heads)
 };
 
 // Software prefetch spread over computation. A chunk's rows are copied out of the pool (gather_rows)
@@ -167,7 +168,7 @@ void decode_item(const T* query, const T* k_cache, const T* v_cache, const int32
   const int64_t num_kv = kv_end - kv_begin, heads = num_kv * group;
   const int64_t row_stride = s.num_kv_heads * dim;  // between slots of one block
   float *q = buf.q.data(), *acc = buf.acc.data(), *scores = buf.scores.data(), *inv_sum = buf.inv_sum.data();
-  const T* q_src = query + (seq * s.num_heads + kv_begin * group) * dim;
+  const T* q_src = query + seq * s.q_stride + kv_begin * group * dim;
   for (int64_t i = 0; i < heads * dim; ++i) q[i] = static_cast<float>(q_src[i]) * scale;
 
   // Visits the first ctx slots block by block (no division per position), prefetching the next
@@ -402,7 +403,7 @@ void decode_item_bf16(const c10::BFloat16* query, const c10::BFloat16* k_cache, 
   const int64_t row_elems = num_kv * dim;  // what this item reads of a slot
   const bool whole_slots = row_elems == row_stride;
   float *acc = buf.acc.data(), *scores = buf.scores.data(), *inv_sum = buf.inv_sum.data();
-  const c10::BFloat16* q = query + (seq * s.num_heads + kv_begin * group) * dim;
+  const c10::BFloat16* q = query + seq * s.q_stride + kv_begin * group * dim;
   c10::BFloat16* chunk = reinterpret_cast<c10::BFloat16*>(buf.gathered.get());
   const __m512 scale16 = _mm512_set1_ps(scale);
   LinePrefetcher& pf = buf.prefetch;
@@ -513,7 +514,7 @@ void decode_item_f32(const float* query, const float* k_cache, const float* v_ca
   const int64_t row_elems = num_kv * kDim;
   const bool whole_slots = row_elems == row_stride;
   float *acc = buf.acc.data(), *scores = buf.scores.data(), *inv_sum = buf.inv_sum.data();
-  const float* q = query + (seq * s.num_heads + kv_begin * group) * kDim;
+  const float* q = query + seq * s.q_stride + kv_begin * group * kDim;
   float* chunk = buf.gathered.get();
   const __m512 scale16 = _mm512_set1_ps(scale);
   LinePrefetcher& pf = buf.prefetch;
@@ -637,13 +638,16 @@ at::Tensor paged_decode(const at::Tensor& query_in, const at::Tensor& k_cache, c
               "query and KV pool must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "block_tables and context_lens must be int32");
-  const at::Tensor query = query_in.contiguous();
+  // each row's heads must be dense; the rows themselves may be strided (the query part of the fused qkv)
+  const bool dense_rows = query_in.stride(2) == 1 && query_in.stride(1) == query_in.size(2) &&
+                          query_in.stride(0) >= query_in.size(1) * query_in.size(2);
+  const at::Tensor query = dense_rows ? query_in : query_in.contiguous();
   const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
   const Shape s{query.size(0), query.size(1), k_cache.size(2), k_cache.size(3), k_cache.size(1), tables.size(1),
-                k_cache.size(0)};
+                k_cache.size(0), query.stride(0)};
   TORCH_CHECK(query.size(2) == s.head_dim && s.num_heads % s.num_kv_heads == 0, "head layout mismatch");
   TORCH_CHECK(tables.size(0) == s.num_seqs && lens.numel() == s.num_seqs, "one block table and length per seq");
-  at::Tensor out = at::empty_like(query);
+  at::Tensor out = at::empty(query.sizes(), query.options());
   if (s.num_seqs == 0) return out;
   switch (query.scalar_type()) {
     case at::kFloat: dispatch_dim<float>(query, k_cache, v_cache, tables, lens, scale, out, s); break;

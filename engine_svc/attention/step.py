@@ -49,10 +49,11 @@ class PagedAttention:
             chosen = self._decode
             if chosen is None or chosen[0] is not meta:
                 chosen = self._decode = (meta, backend.decode_kernels(query, key, value, k_cache, v_cache, meta))
-            if chosen[1] is not None:
+            if chosen[1] is not None:  # the C++ pair reads the query rows where they are (strided)
                 write, decode = chosen[1]
                 write(key, value, k_cache, v_cache, meta.slot_mapping)
                 return decode(query, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
+        query = query.contiguous()
         backend.reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode:
             return backend.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
@@ -80,7 +81,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     binding = _BINDINGS.get(binding_id)
     if binding is None:
         raise RuntimeError(f"no paged attention bound to id {binding_id}")
-    out = binding.run(layer, query.contiguous(), key, value)
+    out = binding.run(layer, query, key, value)
     return out if out.is_contiguous() else out.contiguous()
 
 

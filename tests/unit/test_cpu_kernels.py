@@ -131,6 +131,27 @@ def test_float32_pool_every_gqa_layout_matches_torch(kernel, monkeypatch, num_he
     torch.testing.assert_close(kernel(*args), reference_decode(monkeypatch, *args), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 96])
+@pytest.mark.parametrize("batch", ["small", "large"])
+def test_query_rows_read_in_place_from_the_fused_qkv(kernel, dtype, head_dim, batch):
+    """The query as the model hands it over, the first columns of the fused qkv projection (rows
+    wider than its heads): the same output, bit for bit, as from a contiguous copy; a layout
+    whose heads are not dense is copied first and still answers the same."""
+    num_heads, num_kv_heads = 9, 3
+    lens = [1, 17, 160, 300] * (8 if batch == "large" else 1)
+    k_cache, v_cache, block_tables = make_pool(lens, 16, num_kv_heads, head_dim, seed=head_dim, dtype=dtype)
+    qkv = torch.randn(len(lens), (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    query = qkv[:, :num_heads * head_dim].view(len(lens), num_heads, head_dim)
+    assert not query.is_contiguous()
+    args = (k_cache, v_cache, block_tables, torch.tensor(lens, dtype=torch.int32), head_dim**-0.5)
+    expected = kernel(query.contiguous(), *args)
+    out = kernel(query, *args)
+    assert out.is_contiguous() and torch.equal(out, expected)
+    heads_apart = torch.randn(len(lens), head_dim, num_heads).to(dtype).transpose(1, 2)  # stride(1) == 1
+    assert torch.equal(kernel(heads_apart, *args), kernel(heads_apart.contiguous(), *args))
+
+
 def test_prefill_decode_rows_use_the_kernel_and_match(kernel, monkeypatch):
     lens, q_lens = [30, 500, 9, 77], [7, 1, 9, 1]  # rows 1 and 3 are decode rows inside a prefill batch
     k_cache, v_cache, block_tables = make_pool(lens, 16, 2, 64, seed=3)
