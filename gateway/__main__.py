@@ -29,14 +29,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from gateway.app import build_app
     from gateway.direct_write import capture_raw_send
+    from gateway.server import QuietServer
 
     config = parse_gateway(argv)
     configure_logging("gateway", config.telemetry, config.log_level)
     app = capture_raw_send(build_app(config))  # for the per-token fast path (direct_write.py)
     # log_config None: uvicorn's loggers propagate to the root handler above, so --log-format json
     # covers them too
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_config=None,
-                                           log_level=config.log_level, timeout_graceful_shutdown=5))
+    server = QuietServer(uvicorn.Config(app, host=config.host, port=config.port, log_config=None,
+                                        log_level=config.log_level, timeout_graceful_shutdown=5))
     server.run(sockets=[shared_port_socket(config.host, config.port)] if config.reuse_port else None)
     return 0
 
