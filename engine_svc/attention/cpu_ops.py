@@ -1,6 +1,7 @@
 """Builds and loads the C++ CPU kernels on first use: cpu_kernels.cpp (paged decode attention),
 the KV write, cpu_prefill.cpp (paged prefill attention, bfloat16 and float32), cpu_gemv.cpp (the small-batch linear layer),
-cpu_bitmask.cpp (structured outputs' logits mask) and cpu_sampling.cpp (sampling: greedy's argmax, the race at temperature > 0);
+cpu_bitmask.cpp (structured outputs' logits mask), cpu_sampling.cpp (sampling: greedy's argmax, the race at temperature > 0)
+and cpu_activation.cpp (a bfloat16 MLP's silu(gate) * up);
 on a CPU with AMX-BF16, cpu_amx.cpp (the linear layer for up to `calibrate_amx_rows` rows) and cpu_amx_prefill.cpp
 (bfloat16 prefill attention) on the tile units, chosen at run time inside the ops (the AVX512-BF16
 build compiles them; ``amx_available`` says whether this CPU and kernel grant the tiles).
@@ -40,7 +41,7 @@ logger = logging.getLogger("pagedserve.attention")
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_kernels.cpp", "cpu_prefill.cpp", "cpu_gemv.cpp", "cpu_bitmask.cpp", "cpu_sampling.cpp",
-                        "cpu_amx.cpp", "cpu_amx_prefill.cpp")]
+                        "cpu_amx.cpp", "cpu_amx_prefill.cpp", "cpu_activation.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_amx.h")]  # included by the sources: part of the cache key too
 BASE_FLAGS = ["-std=c++17", "-O3", "-fPIC", "-shared", "-fopenmp", "-fno-trapping-math", "-Wno-unused-parameter"]
 ENV_SWITCH = "PAGEDSERVE_CPU_KERNELS"
@@ -173,6 +174,14 @@ def _release(handles: list[int]) -> None:
         torch.ops.pagedserve_cpu.release_linear_weight(handle)
 
 
+def silu_mul_op():
+    """torch.ops.pagedserve_cpu.silu_mul (a bfloat16 silu(gate) * up, cpu_activation.cpp), or None where
+    the kernels are off or this build lacks AVX512-BF16."""
+    if paged_decode_op() is None or not torch.ops.pagedserve_cpu.silu_mul_available():
+        return None
+    return torch.ops.pagedserve_cpu.silu_mul
+
+
 def argmax_op():
     """torch.ops.pagedserve_cpu.argmax_rows (each float32 row's argmax, as torch.argmax), or None."""
     return torch.ops.pagedserve_cpu.argmax_rows if paged_decode_op() is not None else None
@@ -196,6 +205,8 @@ def _load():
         # shapes for torch.compile: the ops themselves stay opaque inside a compiled graph
         torch.library.register_fake("pagedserve_cpu::linear")(
             lambda x, weight, bias=None, packed=-1: x.new_empty((*x.shape[:-1], weight.shape[0])))
+        torch.library.register_fake("pagedserve_cpu::silu_mul")(
+            lambda gate_up: gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2)))
         return torch.ops.pagedserve_cpu.paged_decode
     except Exception as exc:  # noqa: BLE001 - any failure means "use the torch path", never a crash
         logger.warning("CPU attention kernels unavailable, using the pure-torch path: %s", exc)
@@ -277,5 +288,5 @@ def _torch_libs() -> list[str]:
 
 
 __all__ = ["enabled", "paged_decode_op", "decode_kernel_for", "kv_writer_for", "prefill_kernel_for", "linear_op",
-           "argmax_op", "bitmask_op", "race_op", "build", "cache_dir",
+           "silu_mul_op", "argmax_op", "bitmask_op", "race_op", "build", "cache_dir",
            "prebuild", "prebuilt"]

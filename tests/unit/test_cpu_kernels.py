@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine_svc import EngineConfig, LLMEngine
 from engine_svc.attention import TorchAttentionBackend, cpu_ops, torch_backend
@@ -447,3 +448,68 @@ def test_large_batch_answers_each_sequence_as_it_would_alone(kernel, dtype, thre
     finally:
         torch.set_num_threads(previous)
     assert torch.equal(batch, torch.cat(alone))
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in float64 from the bfloat16 inputs, rounded to bfloat16 once."""
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    return (gate * torch.sigmoid(gate) * up).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape", [(0, 3072), (1, 3072), (5, 34), (3, 4, 80), (300, 2 * 1536), (7, 2)])
+def test_silu_mul_rounds_as_a_float64_reference(kernel, shape):
+    """cpu_activation.cpp's silu(gate) * up for a bfloat16 MLP: row lengths with a short 16-lane tail
+    (17, 40, 1) and without, leading dimensions kept, rows over the threads (300), gates from -90
+    to 90 (exp saturates at both ends: a gate below -87 gives a result below 1e-30, where only that
+    it is tiny is checked). Computed in float32 and rounded once, it must equal the float64 result
+    rounded to bfloat16 except where that lies within a few float32 ulps of a rounding boundary: at
+    most one element in 10,000, and there one bfloat16 step apart."""
+    op = cpu_ops.silu_mul_op()
+    if op is None:
+        pytest.skip("this build has no AVX512-BF16 code (the model then takes torch's ops)")
+    gen = torch.Generator().manual_seed(sum(shape))
+    gate_up = (torch.randn(shape, generator=gen) * 4).bfloat16()
+    if gate_up.numel():
+        gate_up.view(-1)[:: 97] = 90.0
+        gate_up.view(-1)[1:: 101] = -90.0
+    out, expected = op(gate_up), silu_mul_reference(gate_up)
+    assert out.shape == (*shape[:-1], shape[-1] // 2) and out.dtype == torch.bfloat16
+    tiny = expected.float().abs() < 1e-30
+    assert (out.float().abs()[tiny] < 1e-30).all()
+    differ = (out != expected) & ~tiny
+    assert differ.sum().item() <= max(1, out.numel() // 10_000), differ.sum().item()
+    step = expected.float().abs() * 2**-7  # one bfloat16 step at each magnitude
+    assert ((out.float() - expected.float()).abs() <= step * 1.01)[~tiny].all()
+    assert torch.equal(op(gate_up[:1]), out[:1]) if len(shape) == 2 and shape[0] else True  # a row alone: same bits
+
+
+def test_silu_mul_rejects_what_it_cannot_compute(kernel):
+    op = cpu_ops.silu_mul_op()
+    if op is None:
+        pytest.skip("this build has no AVX512-BF16 code")
+    with pytest.raises(RuntimeError, match="silu_mul: needs bfloat16"):
+        op(torch.randn(2, 8))
+    with pytest.raises(RuntimeError, match="silu_mul: the last dimension must be even"):
+        op(torch.randn(2, 7).bfloat16())
+    strided = torch.randn(4, 2, 64).bfloat16()[:, 0]  # rows 128 elements apart: made contiguous first
+    assert torch.equal(op(strided), op(strided.contiguous()))
+
+
+def test_bfloat16_cpu_model_takes_the_fused_activation(kernel, tiny_llama_dir):
+    """A bfloat16 model on CPU computes silu(gate) * up through the op wherever this build has it (one
+    rounding, as inductor's fused kernel; torch's eager ops round twice); float32 models keep torch's
+    ops, whose results the HF parity tests pin."""
+    from engine_svc.models import load_model
+    from engine_svc.models.llama import silu_and_mul
+
+    fused = cpu_ops.silu_mul_op() is not None
+    assert all(layer.fused_silu_mul == fused for layer in load_model(tiny_llama_dir, dtype=torch.bfloat16,
+                                                                     device="cpu").layers)
+    assert not any(layer.fused_silu_mul for layer in load_model(tiny_llama_dir, dtype=torch.float32,
+                                                                device="cpu").layers)
+    x = (torch.randn(6, 2 * 64) * 3).bfloat16()
+    gate, up = x.chunk(2, dim=-1)
+    assert torch.equal(silu_and_mul(x, False), F.silu(gate) * up)
+    if fused:
+        assert torch.equal(silu_and_mul(x, True), silu_mul_reference(x)) or (
+            silu_and_mul(x, True) != silu_mul_reference(x)).sum() <= 1
