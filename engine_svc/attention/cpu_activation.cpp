@@ -20,6 +20,8 @@
 #define PAGEDSERVE_BF16_ACTIVATION 1
 #endif
 
+#include "cpu_simd.h"
+
 namespace {
 
 #ifdef PAGEDSERVE_BF16_ACTIVATION
@@ -27,27 +29,13 @@ inline __m512 widen(__m256i bf16) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16));
 }
 
-// exp(x) on 16 lanes, x clamped to [-87, 88] (2^k p(r) with VSCALEFPS: no integer bit tricks, so a large
-// k saturates instead of wrapping)
-inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, k);
-}
-
 // 16 outputs (mask: the valid lanes of a short tail)
 inline void silu_mul16(const c10::BFloat16* g, const c10::BFloat16* u, c10::BFloat16* out, __mmask16 m) {
   const __m512 gf = widen(_mm256_maskz_loadu_epi16(m, g)), uf = widen(_mm256_maskz_loadu_epi16(m, u));
-  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gf)));
+  const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), gf);
+  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), pagedserve_simd::exp512_in_range(
+                                                           _mm512_min_ps(_mm512_max_ps(neg, _mm512_set1_ps(-87.0f)),
+                                                                         _mm512_set1_ps(88.0f))));
   __m512 r = _mm512_rcp14_ps(d);
   r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));  // one Newton step: r (2 - d r)
   _mm256_mask_storeu_epi16(out, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_mul_ps(gf, uf), r)));

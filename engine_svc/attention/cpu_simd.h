@@ -13,9 +13,9 @@ inline const __m512i kInterleaveLo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44
 inline const __m512i kInterleaveHi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
                                                       55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
 
-// exp(x) for x <= 0 on 16 lanes: the Cephes-style polynomial of exp_nonpos (cpu_kernels.cpp), scaled by 2^k with VSCALEFPS.
-inline __m512 exp512_nonpos(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+// exp(x) on 16 lanes for x in [-87, 88] (the caller clamps): the Cephes-style polynomial of exp_nonpos
+// (cpu_kernels.cpp), scaled by 2^k with VSCALEFPS (no integer bit tricks: a large k saturates, never wraps).
+inline __m512 exp512_in_range(__m512 x) {
   const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x));
@@ -28,6 +28,9 @@ inline __m512 exp512_nonpos(__m512 x) {
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, k);
 }
+
+// exp(x) for x <= 0 (scores less their max)
+inline __m512 exp512_nonpos(__m512 x) { return exp512_in_range(_mm512_max_ps(x, _mm512_set1_ps(-87.0f))); }
 
 }  // namespace pagedserve_simd
 
