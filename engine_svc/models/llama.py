@@ -35,10 +35,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     return torch.ops.pagedserve_cpu.linear(x, weight, bias, packed) if packed is not None else F.linear(x, weight, bias)
 
 
-def silu_and_mul(gate_up: torch.Tensor, fused: bool) -> torch.Tensor:
-    """silu(gate) * up over the fused gate/up projection [..., 2 x intermediate]; ``fused``: through
+def silu_and_mul(gate_up: torch.Tensor, is_fused: bool) -> torch.Tensor:
+    """silu(gate) * up over the fused gate/up projection [..., 2 x intermediate]; ``is_fused``: through
     cpu_activation.cpp (a bfloat16 CPU model), else torch's ops (which inductor fuses)."""
-    if fused:
+    if is_fused:
         return torch.ops.pagedserve_cpu.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -120,7 +120,7 @@ class DecoderLayer(nn.Module):
         }
         for name, tensor in tensors.items():
             self.register_buffer(name, None if tensor is None else tensor.contiguous(), persistent=False)
-        self.fused_silu_mul = use_cpu_silu_mul(dtype, device)  # silu(gate) * up in one C++ pass
+        self.is_silu_mul_fused = use_cpu_silu_mul(dtype, device)  # silu(gate) * up in one C++ pass
         # the handles of the matrices' oneDNN-packed copies for the CPU linear op; None: F.linear
         self.packed_qkv = self.packed_o = self.packed_gate_up = self.packed_down = None
         if use_cpu_gemv(dtype, device):
@@ -145,7 +145,7 @@ class DecoderLayer(nn.Module):
         attn = torch.ops.pagedserve.paged_attention(q, k, v, self.attention_id, self.layer)
         residual = residual + linear(attn.view(num_tokens, self.q_size), self.o_w, self.o_b, self.packed_o)
         x = rms_norm(residual, self.post_norm, eps)
-        act = silu_and_mul(linear(x, self.gate_up_w, self.gate_up_b, self.packed_gate_up), self.fused_silu_mul)
+        act = silu_and_mul(linear(x, self.gate_up_w, self.gate_up_b, self.packed_gate_up), self.is_silu_mul_fused)
         return linear(act, self.down_w, self.down_b, self.packed_down), residual
 
 

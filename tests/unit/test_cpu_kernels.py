@@ -480,7 +480,8 @@ def test_silu_mul_rounds_as_a_float64_reference(kernel, shape):
     assert differ.sum().item() <= max(1, out.numel() // 10_000), differ.sum().item()
     step = expected.float().abs() * 2**-7  # one bfloat16 step at each magnitude
     assert ((out.float() - expected.float()).abs() <= step * 1.01)[~tiny].all()
-    assert torch.equal(op(gate_up[:1]), out[:1]) if len(shape) == 2 and shape[0] else True  # a row alone: same bits
+    if len(shape) == 2 and shape[0]:
+        assert torch.equal(op(gate_up[:1]), out[:1])  # a row alone: the same bits
 
 
 def test_silu_mul_rejects_what_it_cannot_compute(kernel):
@@ -503,13 +504,12 @@ def test_bfloat16_cpu_model_takes_the_fused_activation(kernel, tiny_llama_dir):
     from engine_svc.models.llama import silu_and_mul
 
     fused = cpu_ops.silu_mul_op() is not None
-    assert all(layer.fused_silu_mul == fused for layer in load_model(tiny_llama_dir, dtype=torch.bfloat16,
+    assert all(layer.is_silu_mul_fused == fused for layer in load_model(tiny_llama_dir, dtype=torch.bfloat16,
                                                                      device="cpu").layers)
-    assert not any(layer.fused_silu_mul for layer in load_model(tiny_llama_dir, dtype=torch.float32,
+    assert not any(layer.is_silu_mul_fused for layer in load_model(tiny_llama_dir, dtype=torch.float32,
                                                                 device="cpu").layers)
     x = (torch.randn(6, 2 * 64) * 3).bfloat16()
     gate, up = x.chunk(2, dim=-1)
     assert torch.equal(silu_and_mul(x, False), F.silu(gate) * up)
     if fused:
-        assert torch.equal(silu_and_mul(x, True), silu_mul_reference(x)) or (
-            silu_and_mul(x, True) != silu_mul_reference(x)).sum() <= 1
+        assert (silu_and_mul(x, True) != silu_mul_reference(x)).sum() <= 1
