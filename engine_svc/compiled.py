@@ -1,15 +1,15 @@
 """The compiled forward: torch.compile with inductor over the whole decoder, attention left opaque.
 
 On CPU inductor writes C++ for everything between the matmuls (residual + RMSNorm, rotary,
-SiLU x up fused into one loop each) and for the wrapper that calls them, and, with freezing,
-prepacks every weight once for oneDNN (bfloat16) or MKL (float32). One graph serves every token
+SiLU x up fused into one loop each) and for the wrapper that calls them; the matmuls are
+pagedserve_cpu.linear, which holds its own oneDNN-packed weights. One graph serves every token
 count: the token dimension is symbolic from the first call (`dynamic=True`), so a running server never recompiles; PyTorch
 specialises a dimension of size 1, which gives a second graph for one-token steps. Both are
 compiled by `warm_up` before the engine takes work, and `num_compiles` counts every graph
 compiled, so a test can assert that a mixed workload compiles nothing more.
 
-Generated C++ is cached under $PAGEDSERVE_CACHE/inductor (TORCHINDUCTOR_CACHE_DIR, unless the
-environment already names one), so a warm restart skips the C++ builds.
+Compiled graphs are cached under $PAGEDSERVE_CACHE/inductor (TORCHINDUCTOR_CACHE_DIR, unless the
+environment already names one), so a warm restart skips the C++ builds and the lowering.
 """
 
 from __future__ import annotations
@@ -49,11 +49,17 @@ def _configure_inductor() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
     import torch._inductor.config as inductor
 
-    # weights become constants, prepacked once for oneDNN/MKL: 16.5 vs 24 ms per bfloat16 decode
-    # step at batch 1 here. The price: prepacked (mkldnn) constants cannot be pickled, so inductor's
-    # FX graph cache skips these graphs and a restart traces and lowers them again (the C++ it
-    # generated is still cached, by source hash).
-    inductor.freezing = True
+    # no freezing: the weights stay graph inputs, so inductor's FX graph cache (and AOTAutograd's)
+    # keeps whole compiled graphs and a warm restart skips tracing and lowering them. Freezing made
+    # the weights constants and prepacked them for oneDNN/MKL (16.5 vs 24 ms a bfloat16 decode step
+    # when the linears were aten's); the linears are pagedserve_cpu.linear now, with packed copies of
+    # their own, so it prepacked nothing the graph calls, and its constants (mkldnn tensors, not
+    # picklable) kept every graph out of the cache. Warm engine start 29-32 s with it, 14-15 s
+    # without (bfloat16, default model, model-167 Xeon); steps unchanged within this VM's noise:
+    # separate processes, alternating, batch 1 median 16.45 / 16.95 / 15.00 ms with against 16.16 /
+    # 15.61 / 15.72 without, the 2,048-token prefill 444 / 455 / 383 / 391 against 369 / 392 / 406 /
+    # 390 ms (median of five), batch 64 51.2 / 51.6 / 42.4 / 44.0 against 45.1 / 45.4 / 47.7 / 46.3
+    inductor.freezing = False
     inductor.fx_graph_cache = True
     # the graph's wrapper (the code that calls its kernels and the opaque ops in turn, ~150 calls a
     # step) generated as C++ rather than Python. Same machine, separate processes, alternating

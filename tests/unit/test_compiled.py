@@ -7,7 +7,12 @@ case, eager and compiled) and test_engine_parity.
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,10 +138,6 @@ def test_a_forward_that_cannot_compile_runs_eagerly(tmp_path):
     """No C++ compiler for inductor (CXX points nowhere, an empty code cache): the engine logs it and
     serves eagerly instead of dying at start. In a child process, since inductor caches its
     compiler lookup for the life of a process."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from tests.fixtures.models import build_tiny_model
 
     model_dir = build_tiny_model("llama", tmp_path / "odd", seed=5)
@@ -154,3 +155,33 @@ def test_a_forward_that_cannot_compile_runs_eagerly(tmp_path):
                           cwd=Path(__file__).resolve().parents[2])
     assert "RESULT True 6 False" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "the compiled forward failed to build, running eagerly" in proc.stderr
+
+
+WARM_START = """
+import json, sys
+import torch
+from engine_svc import EngineConfig, LLMEngine
+engine = LLMEngine(EngineConfig(model=sys.argv[1], dtype=sys.argv[2], kv_cache_memory=8 << 20))
+counters = torch._dynamo.utils.counters["inductor"]
+print(json.dumps({"graphs": engine.runner.num_compiles, "hits": counters["fxgraph_cache_hit"],
+                  "misses": counters["fxgraph_cache_miss"], "bypasses": counters["fxgraph_cache_bypass"]}))
+"""
+
+
+def test_a_warm_restart_takes_the_compiled_graphs_from_the_cache(tmp_path, tiny_llama_dir):
+    """Two engine processes over one $PAGEDSERVE_CACHE: the first compiles both graphs, the second
+    finds both in inductor's FX graph cache, and nothing bypasses it. (A cold start here, the
+    C++ of the graphs and their wrappers built, takes about a minute.)"""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["PAGEDSERVE_CACHE"] = str(tmp_path)
+
+    def start() -> dict:
+        proc = subprocess.run([sys.executable, "-c", WARM_START, str(tiny_llama_dir), "bfloat16"], env=env,
+                              cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    cold, warm = start(), start()
+    assert cold == {"graphs": 2, "hits": 0, "misses": 2, "bypasses": 0}
+    assert warm == {"graphs": 2, "hits": 2, "misses": 0, "bypasses": 0}
+    assert (tmp_path / "inductor").is_dir()
