@@ -287,7 +287,7 @@ class Supervisor:
                     del self.restart_at[name]
                     self._start(next(c for c in self.children if c.name == name))
             if not self.is_ready:
-                if wait_http(health_url, 0.5, lambda: not self.stopping):
+                if self._all_beating() and wait_http(health_url, 0.5, lambda: not self.stopping):
                     self.is_ready = True
                     on_ready()
                 elif now > deadline:
@@ -301,6 +301,15 @@ class Supervisor:
                 self._mark_healthy()
             time.sleep(0.25)
         return 0
+
+    def _all_beating(self) -> bool:
+        """Every live child's own heartbeat is on the bus (always, without a bus view): until then
+        /health answers 503 anyway, and polling it would only fill the log with the gateway's
+        access lines (four a second through an engine's compile)."""
+        if self.bus is None:
+            return True
+        beating = self.bus.pids()
+        return all(child.proc.pid in beating for child in self.children if child.is_alive)
 
     def _died(self, child: Child, code: int, now: float) -> bool:
         """Schedule the restart of a child that died; False when it keeps failing at start-up."""
