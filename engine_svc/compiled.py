@@ -49,16 +49,15 @@ def _configure_inductor() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
     import torch._inductor.config as inductor
 
-    # no freezing: the weights stay graph inputs, so inductor's FX graph cache (and AOTAutograd's)
-    # keeps whole compiled graphs and a warm restart skips tracing and lowering them. Freezing made
-    # the weights constants and prepacked them for oneDNN/MKL (16.5 vs 24 ms a bfloat16 decode step
-    # when the linears were aten's); the linears are pagedserve_cpu.linear now, with packed copies of
-    # their own, so it prepacked nothing the graph calls, and its constants (mkldnn tensors, not
-    # picklable) kept every graph out of the cache. Warm engine start 29-32 s with it, 14-15 s
-    # without (bfloat16, default model, model-167 Xeon); steps unchanged within this VM's noise:
-    # separate processes, alternating, batch 1 median 16.45 / 16.95 / 15.00 ms with against 16.16 /
-    # 15.61 / 15.72 without, the 2,048-token prefill 444 / 455 / 383 / 391 against 369 / 392 / 406 /
-    # 390 ms (median of five), batch 64 51.2 / 51.6 / 42.4 / 44.0 against 45.1 / 45.4 / 47.7 / 46.3
+    # no freezing. It made the weights constants and prepacked them for oneDNN/MKL (16.5 vs 24 ms a
+    # bfloat16 decode step when the linears were aten's); the linears are pagedserve_cpu.linear
+    # now, with packed copies of their own, so it prepacked nothing the graph calls, yet its passes
+    # (constant folding over every weight) ran again at every start, before the FX graph cache
+    # lookup, which hit either way. Warm engine start 29-32 s with it, 14-15 s without (bfloat16,
+    # default model, model-167 Xeon); steps unchanged within this VM's noise: separate processes,
+    # alternating, batch 1 median 16.45 / 16.95 / 15.00 ms with against 16.16 / 15.61 / 15.72
+    # without, the 2,048-token prefill 444 / 455 / 383 / 391 against 369 / 392 / 406 / 390 ms
+    # (median of five), batch 64 51.2 / 51.6 / 42.4 / 44.0 against 45.1 / 45.4 / 47.7 / 46.3
     inductor.freezing = False
     inductor.fx_graph_cache = True
     # the graph's wrapper (the code that calls its kernels and the opaque ops in turn, ~150 calls a
