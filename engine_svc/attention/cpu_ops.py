@@ -108,6 +108,15 @@ def linear_op():
 PACK_ROWS = 256  # the row count oneDNN lays a packed weight out for (any count may use it)
 
 
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs (and multiplies) matrices of this dtype here: bfloat16 needs AVX-512
+    (BW, VL, DQ) or AVX-NE-CONVERT, which an AVX2-only CPU such as AMD's Zen 3 lacks; there packing
+    raises, and a bfloat16 model takes F.linear."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
+
+
 class PackedWeights:
     """Owns the oneDNN-packed copies of one model's matrices (held in cpu_gemv.cpp, by handle):
     ``handle(name)`` for the linear op, all released with the module that holds them (the weight
@@ -287,6 +296,6 @@ def _torch_libs() -> list[str]:
     return [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-lc10", "-ltorch_cpu", "-ltorch"]
 
 
-__all__ = ["enabled", "paged_decode_op", "decode_kernel_for", "kv_writer_for", "prefill_kernel_for", "linear_op",
+__all__ = ["enabled", "onednn_packs", "paged_decode_op", "decode_kernel_for", "kv_writer_for", "prefill_kernel_for", "linear_op",
            "silu_mul_op", "argmax_op", "bitmask_op", "race_op", "build", "cache_dir",
            "prebuild", "prebuilt"]

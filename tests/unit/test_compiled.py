@@ -53,6 +53,24 @@ def test_engine_serves_on_a_cpu_without_native_bf16(monkeypatch, tiny_llama_dir,
     assert_engine_idle(engine)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_bfloat16_on_a_cpu_whose_onednn_has_no_bfloat16(monkeypatch, tiny_llama_dir, compiled):
+    """--dtype bfloat16 asked for on an AVX2-only CPU (AMD Zen 3): oneDNN can neither pack nor
+    multiply bfloat16 there, so the model packs nothing and takes F.linear (once, packing the
+    weights raised at start-up). Forced here; real on such a CPU."""
+    from engine_svc.attention import cpu_ops
+
+    real = cpu_ops.onednn_packs
+    monkeypatch.setattr(cpu_ops, "onednn_packs", lambda dtype: dtype != torch.bfloat16 and real(dtype))
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="bfloat16", kv_cache_memory=8 << 20,
+                                    enforce_eager=not compiled))
+    assert engine.runner.dtype == torch.bfloat16
+    assert engine.runner.model.packed_matrices() == [] and engine.runner.model.packed_lm_head is None
+    out = engine.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 12
+    assert_engine_idle(engine)
+
+
 def test_mixed_workload_never_recompiles(tiny_llama_dir):
     """Decode batches of every size 256..1, then prefills of many lengths, chunked prefill and
     preemption: after warm-up, not one graph more."""
