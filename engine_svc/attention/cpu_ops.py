@@ -110,8 +110,7 @@ PACK_ROWS = 256  # the row count oneDNN lays a packed weight out for (any count 
 
 def onednn_packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN packs (and multiplies) matrices of this dtype here: bfloat16 needs AVX-512
-    (BW, VL, DQ) or AVX-NE-CONVERT, which an AVX2-only CPU such as AMD's Zen 3 lacks; there packing
-    raises, and a bfloat16 model takes F.linear."""
+    (BW, VL, DQ) or AVX-NE-CONVERT, which an AVX2-only CPU such as AMD's Zen 3 lacks."""
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return dtype == torch.float32
@@ -124,7 +123,10 @@ class PackedWeights:
 
     def __init__(self, owner, matrices: dict[str, torch.Tensor]):
         pack = torch.ops.pagedserve_cpu.pack_linear_weight
-        self.handles = {name: pack(weight, PACK_ROWS) for name, weight in matrices.items()}
+        # where oneDNN has no bfloat16, a bfloat16 matrix's copy is packed as float32 and the rows past
+        # the small-batch loop are multiplied in float32 (at::linear's bfloat16 there: ~1 GFLOP/s)
+        self.handles = {name: pack(weight if onednn_packs(weight.dtype) else weight.float(), PACK_ROWS)
+                        for name, weight in matrices.items()}
         weakref.finalize(owner, _release, list(self.handles.values()))
 
     def handle(self, name: str) -> int:

@@ -49,8 +49,7 @@ def use_cpu_silu_mul(dtype: torch.dtype, device) -> bool:
 
 
 def use_cpu_gemv(dtype: torch.dtype, device) -> bool:
-    return (torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float32) and cpu_ops.onednn_packs(dtype)
-            and cpu_ops.linear_op() is not None)
+    return torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float32) and cpu_ops.linear_op() is not None
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:

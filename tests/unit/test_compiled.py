@@ -28,8 +28,11 @@ from tests.unit.test_models import run_paged
 # on a CPU with AMX, 1,600 positions: 98.06% and 0.0190 through the tiles, 98.25% and 0.0190 without
 # them (over 800 positions the tiles gave 97.997%: 783 of 799, one near-tie from the bound); 96-98% and ~0.025
 # on tiny llama / tiny qwen3 (324 positions), whose random weights give near-tied top logits far
-# more often than a trained model's, so their floor is lower. A broken kernel scores ~0% here.
-MIN_TOP1_AGREEMENT = 0.98
+# more often than a trained model's, so their floor is lower. On an AVX2-only AMD Zen 3 (no bfloat16
+# arithmetic: the weights widened to float32 in registers, cpu_gemv.cpp), 1,600 positions: 97.74% and
+# 0.0189, the same mean |dlogprob| as the AMX machine's, so 0.975 and not 0.98: over a trained model's
+# ~1,600 positions 98% sat within a few near-ties of every measurement. A broken kernel scores ~0% here.
+MIN_TOP1_AGREEMENT = 0.975
 MIN_TOP1_AGREEMENT_RANDOM_WEIGHTS = 0.95
 MAX_MEAN_ABS_DLOGPROB = 0.05
 
@@ -56,8 +59,9 @@ def test_engine_serves_on_a_cpu_without_native_bf16(monkeypatch, tiny_llama_dir,
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_bfloat16_on_a_cpu_whose_onednn_has_no_bfloat16(monkeypatch, tiny_llama_dir, compiled):
     """--dtype bfloat16 asked for on an AVX2-only CPU (AMD Zen 3): oneDNN can neither pack nor
-    multiply bfloat16 there, so the model packs nothing and takes F.linear (once, packing the
-    weights raised at start-up). Forced here; real on such a CPU."""
+    multiply bfloat16 there (packing raised at start-up, once), so each matrix's packed copy is
+    float32 and a prefill's rows are multiplied in float32 (test_cpu_kernels checks the op's
+    numbers). Forced here; real on such a CPU. The prompt is past every small-batch loop's rows."""
     from engine_svc.attention import cpu_ops
 
     real = cpu_ops.onednn_packs
@@ -65,8 +69,9 @@ def test_bfloat16_on_a_cpu_whose_onednn_has_no_bfloat16(monkeypatch, tiny_llama_
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="bfloat16", kv_cache_memory=8 << 20,
                                     enforce_eager=not compiled))
     assert engine.runner.dtype == torch.bfloat16
-    assert engine.runner.model.packed_matrices() == [] and engine.runner.model.packed_lm_head is None
-    out = engine.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    model = engine.runner.model
+    assert len(model.packed_matrices()) == 4 * len(model.layers) and model.packed_lm_head is not None
+    out = engine.generate([list(range(5, 45))], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 12
     assert_engine_idle(engine)
 

@@ -269,11 +269,13 @@ def test_kv_write_checks_every_slot_before_writing(kernel):
 @pytest.mark.parametrize("num_rows", [1, 3, 8, 9, 16, 17, 24, 33, 40, 64, 65, 128, 129])
 @pytest.mark.parametrize("num_out", [70, 96])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("packed", [False, True, "float32"])
 def test_small_batch_linear_matches_torch(kernel, op, dtype, num_rows, num_out, with_bias, packed):
     """cpu_gemv.cpp and cpu_amx.cpp against a float64 reference on random inputs. linear_vector: the
     GEMV loop (rows past 8 in tiles; float32 from 8 rows and bfloat16 from 25 go to oneDNN, from the
-    weight's packed copy when given its handle); linear_amx:
+    weight's packed copy when given its handle; without AVX-512, bfloat16 up to 64 rows widened to
+    float32 in registers, and past them float32 from a float32 packed copy, as packed="float32" forces
+    here and a CPU whose oneDNN has no bfloat16 packs); linear_amx:
     bfloat16 tiles for up to 128 rows (groups of 32 past 32) and whole blocks of 16 outputs (where the CPU
     has AMX-BF16);
     linear: the tiles where they serve, else linear_vector. The output is fresh, so an unwritten element
@@ -283,6 +285,8 @@ def test_small_batch_linear_matches_torch(kernel, op, dtype, num_rows, num_out, 
         pytest.skip("this CPU (or kernel) gives no AMX-BF16 tiles")
     if op == "linear_amx" and packed:
         pytest.skip("the tiles read the plain weight: linear_amx takes no packed copy")
+    if packed == "float32" and dtype != torch.bfloat16:
+        pytest.skip("a float32 copy stands in for a bfloat16 weight only")
     linear = getattr(torch.ops.pagedserve_cpu, op)
     gen = torch.Generator().manual_seed(num_rows)
     x = torch.randn(num_rows, 96, generator=gen).to(dtype)
@@ -293,7 +297,8 @@ def test_small_batch_linear_matches_torch(kernel, op, dtype, num_rows, num_out, 
             linear(x.view(1, num_rows, 96), weight, bias)
         return
     if packed:
-        handle = torch.ops.pagedserve_cpu.pack_linear_weight(weight, 64)
+        widened = packed == "float32" or not cpu_ops.onednn_packs(dtype)  # as cpu_ops.PackedWeights packs
+        handle = torch.ops.pagedserve_cpu.pack_linear_weight(weight.float() if widened else weight, 64)
         try:
             out = linear(x.view(1, num_rows, 96), weight, bias, handle)
         finally:
@@ -317,7 +322,7 @@ def test_amx_rows_limit_decides_the_path(kernel):
     before = ops.amx_rows()
     gen = torch.Generator().manual_seed(3)
     x, weight = torch.randn(40, 96, generator=gen).bfloat16(), torch.randn(64, 96, generator=gen).bfloat16()
-    handle = ops.pack_linear_weight(weight, 64)
+    handle = ops.pack_linear_weight(weight if cpu_ops.onednn_packs(torch.bfloat16) else weight.float(), 64)
     try:
         with pytest.raises(RuntimeError, match="set_amx_rows: 0..128"):
             ops.set_amx_rows(129)
@@ -350,10 +355,15 @@ def test_packed_weights_are_checked_and_released(kernel, tiny_llama_dir):
     gc.collect()  # earlier tests' models that are garbage already: theirs go now, not during this test
     before = ops.num_packed_weights()
     weight, x = torch.randn(96, 64).bfloat16(), torch.randn(40, 64).bfloat16()
-    handle = ops.pack_linear_weight(weight, 64)
+    # where oneDNN has no bfloat16, a float32 copy, which answers for a bfloat16 weight (not for float16)
+    widened = not cpu_ops.onednn_packs(torch.bfloat16)
+    handle = ops.pack_linear_weight(weight.float() if widened else weight, 64)
     assert ops.num_packed_weights() == before + 1
     with pytest.raises(RuntimeError, match="packed from another matrix"):
-        ops.linear(x.float(), torch.randn(96, 64), None, handle)  # float32: not what was packed
+        if widened:
+            ops.linear(x.half(), torch.randn(96, 64).half(), None, handle)
+        else:
+            ops.linear(x.float(), torch.randn(96, 64), None, handle)  # float32: not what was packed
     with pytest.raises(RuntimeError, match="packed from another matrix"):
         ops.linear(x, torch.randn(48, 64).bfloat16(), None, handle)
     ops.release_linear_weight(handle)
@@ -361,7 +371,7 @@ def test_packed_weights_are_checked_and_released(kernel, tiny_llama_dir):
         ops.linear(x, weight, None, handle)
     with pytest.raises(RuntimeError, match="no packed weight"):
         ops.release_linear_weight(handle)
-    assert ops.num_packed_weights() == before and ops.pack_linear_weight(weight, 64) == handle  # the slot reused
+    assert ops.num_packed_weights() == before and ops.pack_linear_weight(weight.float(), 64) == handle  # the slot reused
     ops.release_linear_weight(handle)
 
     model = load_model(tiny_llama_dir, dtype=torch.bfloat16, device="cpu")
