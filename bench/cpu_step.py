@@ -5,7 +5,8 @@
 Limits, measured first:
 - memory floor: the bytes of the weights a step streams (every matrix once, the LM head included)
   divided by the best read bandwidth of a sum over a 1 GiB tensor;
-- matmul ceiling: the best sustained GFLOP/s of a [2048, 576] x [576, 1536] matmul in the dtype.
+- matmul ceiling: the best sustained GFLOP/s of a [2048, 576] x [576, 1536] matmul in the dtype (in
+  float32 for bfloat16 on a CPU without bfloat16 arithmetic, which computes a bfloat16 model in float32).
 
 Then the engine (default model, compiled unless --enforce-eager), each step timed alone:
 - decode at batch 1 and batch 256 (prompts of 128 tokens, ignore_eos): median step time, against
@@ -34,6 +35,7 @@ import torch  # noqa: E402
 from common import matmul_gflops, print_header, print_table, target  # noqa: E402
 
 from engine_svc import EngineConfig, LLMEngine  # noqa: E402
+from engine_svc.attention import cpu_ops  # noqa: E402
 from shared.protocol import SamplingParams  # noqa: E402
 
 
@@ -101,8 +103,11 @@ def main() -> None:
     args = p.parse_args()
     print_header("bench/cpu_step.py: engine steps against the memory floor and the matmul ceiling")
     bandwidth = read_bandwidth_gbs()
-    ceiling = matmul_gflops(m=2048, k=576, n=1536, dtype=args.dtype)
-    print(f"read bandwidth {bandwidth:.1f} GB/s, {args.dtype} matmul ceiling {ceiling:.0f} GFLOP/s", flush=True)
+    # a CPU with no bfloat16 arithmetic (AVX2 only) multiplies a bfloat16 model's rows in float32
+    arithmetic = args.dtype if args.dtype != "bfloat16" or cpu_ops.onednn_packs(torch.bfloat16) else "float32"
+    ceiling = matmul_gflops(m=2048, k=576, n=1536, dtype=arithmetic)
+    print(f"read bandwidth {bandwidth:.1f} GB/s, {arithmetic} matmul ceiling {ceiling:.0f} GFLOP/s"
+          + ("" if arithmetic == args.dtype else f" ({args.dtype} is computed in {arithmetic} on this CPU)"), flush=True)
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_memory=4 << 30, max_num_seqs=256,
                                     max_num_batched_tokens=2048, enforce_eager=args.enforce_eager))
