@@ -15,7 +15,8 @@
 // matmul (mkldnn::_linear_pointwise), anything else (another dtype, a larger bfloat16 M, K not a
 // multiple of 32, a CPU without AVX-512 and BF16) to at::linear (oneDNN for bfloat16). A CPU with
 // AVX2 but no AVX-512 takes bfloat16 rows widened to float32 (widened_linear), and past them float32
-// from a float32 packed copy: oneDNN has no bfloat16 there, and at::linear's is a scalar loop.
+// from a float32 packed copy: oneDNN has no bfloat16 there, and at::linear's is a scalar loop; its
+// float32 rows take the same loop up to kMaxRowsF32Avx2, and oneDNN past them.
 //
 // What oneDNN computes it computes faster from a weight reordered once into its own blocked layout
 // (pack_linear_weight: a handle to the packed copy, held here until release_linear_weight) than
@@ -55,7 +56,7 @@
 #define PAGEDSERVE_BF16_GEMV 1
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#define PAGEDSERVE_AVX2_BF16_GEMV 1
+#define PAGEDSERVE_AVX2_GEMV 1
 #endif
 
 namespace {
@@ -71,6 +72,10 @@ constexpr int64_t kMaxRowsBf16 = 24, kMaxRowsF32 = 7;
 // float32 from a float32 packed copy in oneDNN: 9.4 against 20.7 ms at M = 1 (float32 weights:
 // twice the bytes), 33.9 against 45.5 at 16, 120.5 against 126.2 at 64, 178.5 against 171.1 at 96.
 constexpr int64_t kMaxRowsBf16Avx2 = 64;
+// float32 weights there (the same 30 layers, interleaved) against oneDNN from the packed copy: 14.8
+// against 19.1 ms at M = 1, 21.6 against 27.7 at 8, 34.1 against 41.0 at 16, 59.2 against 62.1 at 32,
+// 107.6 against 104.1 at 64 (and noisy between: 0.91-1.15x at 40-56).
+constexpr int64_t kMaxRowsF32Avx2 = 32;
 
 #ifdef PAGEDSERVE_BF16_GEMV
 // float32 weights: 16 products per FMA instead of 32, the same streaming order.
@@ -154,16 +159,20 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, con
 }
 #endif
 
-#ifdef PAGEDSERVE_AVX2_BF16_GEMV
-// bfloat16 weights on a CPU with no bfloat16 arithmetic (AVX2 and FMA only, e.g. AMD Zen 3), where
-// at::linear's bfloat16 matmul is a scalar loop (~1 GFLOP/s) and oneDNN takes no bfloat16: each weight
-// row is widened to float32 in registers (a bfloat16 is the upper half of a float32) and multiplied
-// with the token rows, widened once per call. A decode step still streams 2 bytes a weight, half a
-// float32 model's. Two accumulators a row over alternate 8-wide k steps hide the FMA's latency; token
-// rows go in tiles of 4 (8 accumulators and 2 weight vectors of AVX2's 16 registers).
+#ifdef PAGEDSERVE_AVX2_GEMV
+// A CPU with AVX2 and FMA but no AVX-512 (e.g. AMD Zen 3). bfloat16 weights: that CPU has no bfloat16
+// arithmetic, at::linear's bfloat16 matmul is a scalar loop (~1 GFLOP/s) and oneDNN takes no
+// bfloat16, so each weight row is widened to float32 in registers (a bfloat16 is the upper half of a
+// float32) and multiplied with the token rows, widened once per call: a decode step still streams 2
+// bytes a weight, half a float32 model's. float32 weights: the same loop without the widening, where
+// it streams faster than oneDNN for a few rows. Two accumulators a row over alternate 8-wide k steps
+// hide the FMA's latency; token rows go in tiles of 4 (8 accumulators and 2 weight vectors of AVX2's
+// 16 registers).
 constexpr int64_t kTileRowsAvx2 = 4;
 
-inline __m256 widen_bf16(const c10::BFloat16* p) {
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const c10::BFloat16* p) {
   const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
@@ -174,42 +183,43 @@ inline float sum_lanes(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-template <int M>
-void widened_rows(const float* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y, int64_t K,
-                  int64_t N, int64_t begin, int64_t end) {
+template <int M, typename T>
+void widened_rows(const float* x, const T* w, const T* bias, T* y, int64_t K, int64_t N, int64_t begin, int64_t end) {
   for (int64_t n = begin; n < end; ++n) {
     __m256 even[M], odd[M];
     for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm256_setzero_ps();
-    const c10::BFloat16* row = w + n * K;
+    const T* row = w + n * K;
     for (int64_t k = 0; k < K; k += 16) {
-      const __m256 w0 = widen_bf16(row + k), w1 = widen_bf16(row + k + 8);
+      const __m256 w0 = load8(row + k), w1 = load8(row + k + 8);
       for (int m = 0; m < M; ++m) {
         even[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), w0, even[m]);
         odd[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8), w1, odd[m]);
       }
     }
     const float b = bias ? static_cast<float>(bias[n]) : 0.f;
-    for (int m = 0; m < M; ++m) y[m * N + n] = static_cast<c10::BFloat16>(sum_lanes(_mm256_add_ps(even[m], odd[m])) + b);
+    for (int m = 0; m < M; ++m) y[m * N + n] = static_cast<T>(sum_lanes(_mm256_add_ps(even[m], odd[m])) + b);
   }
 }
 
-// y = x W^T (+ b) for bfloat16 x [M, K] and W [N, K], K % 16 == 0; weight rows split over the threads
-// in blocks of kBlockRows, each block read from memory by its first tile of token rows.
-at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, const c10::BFloat16* bias, int64_t M) {
+// y = x W^T (+ b) for x [M, K] and W [N, K] of dtype T (bfloat16 or float32), K % 16 == 0; weight
+// rows split over the threads in blocks of kBlockRows, each block read from memory by its first tile
+// of token rows.
+template <typename T>
+at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, const T* bias, int64_t M) {
   const int64_t K = x.size(-1), N = weight.size(0);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // float32 x: itself
   std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
   sizes.back() = N;
   at::Tensor y = at::empty(sizes, x.options());
   const float* xp = xf.data_ptr<float>();
-  const c10::BFloat16* wp = weight.data_ptr<c10::BFloat16>();
-  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  const T* wp = weight.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
   at::parallel_for(0, (N + kBlockRows - 1) / kBlockRows, 0, [&](int64_t block_begin, int64_t block_end) {
     for (int64_t b = block_begin; b < block_end; ++b) {
       const int64_t begin = b * kBlockRows, end = std::min(N, (b + 1) * kBlockRows);
       for (int64_t m0 = 0; m0 < M; m0 += kTileRowsAvx2) {
         const float* xt = xp + m0 * K;
-        c10::BFloat16* yt = yp + m0 * N;
+        T* yt = yp + m0 * N;
         switch (std::min<int64_t>(kTileRowsAvx2, M - m0)) {
           case 1: widened_rows<1>(xt, wp, bias, yt, K, N, begin, end); break;
           case 2: widened_rows<2>(xt, wp, bias, yt, K, N, begin, end); break;
@@ -363,14 +373,18 @@ at::Tensor vector_linear(const at::Tensor& x, const at::Tensor& weight, const c1
     return small_batch_linear<c10::BFloat16>(x, weight, has_bias ? bias->data_ptr<c10::BFloat16>() : nullptr, M);
   }
 #endif
-#ifdef PAGEDSERVE_AVX2_BF16_GEMV
+#ifdef PAGEDSERVE_AVX2_GEMV
   {
-    const int64_t K = x.size(-1), M = K > 0 ? x.numel() / K : 0;
+    const int64_t K = x.size(-1), N = weight.size(0), M = K > 0 ? x.numel() / K : 0;
     const bool has_bias = bias.has_value() && bias->defined();
-    if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 &&
-        weight.size(1) == K && weight.is_contiguous() && K % 16 == 0 && M >= 1 && M <= kMaxRowsBf16Avx2 &&
-        (!has_bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == weight.size(0))))
-      return widened_linear(x, weight, has_bias ? bias->data_ptr<c10::BFloat16>() : nullptr, M);
+    const auto dtype = x.scalar_type();
+    if ((dtype == at::kBFloat16 || dtype == at::kFloat) && weight.scalar_type() == dtype && weight.dim() == 2 &&
+        weight.size(1) == K && weight.is_contiguous() && K % 16 == 0 && M >= 1 &&
+        M <= (dtype == at::kFloat ? kMaxRowsF32Avx2 : kMaxRowsBf16Avx2) &&
+        (!has_bias || (bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == N))) {
+      if (dtype == at::kFloat) return widened_linear<float>(x, weight, has_bias ? bias->data_ptr<float>() : nullptr, M);
+      return widened_linear<c10::BFloat16>(x, weight, has_bias ? bias->data_ptr<c10::BFloat16>() : nullptr, M);
+    }
   }
 #endif
   const bool bias_matches = !bias.has_value() || !bias->defined() || bias->scalar_type() == weight.scalar_type();

@@ -275,7 +275,8 @@ def test_small_batch_linear_matches_torch(kernel, op, dtype, num_rows, num_out, 
     GEMV loop (rows past 8 in tiles; float32 from 8 rows and bfloat16 from 25 go to oneDNN, from the
     weight's packed copy when given its handle; without AVX-512, bfloat16 up to 64 rows widened to
     float32 in registers, and past them float32 from a float32 packed copy, as packed="float32" forces
-    here and a CPU whose oneDNN has no bfloat16 packs); linear_amx:
+    here and a CPU whose oneDNN has no bfloat16 packs, and float32 up to 32 rows in the same loop);
+    linear_amx:
     bfloat16 tiles for up to 128 rows (groups of 32 past 32) and whole blocks of 16 outputs (where the CPU
     has AMX-BF16);
     linear: the tiles where they serve, else linear_vector. The output is fresh, so an unwritten element
