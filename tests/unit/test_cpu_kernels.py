@@ -120,7 +120,8 @@ def test_bfloat16_pool_in_place_every_gqa_layout(kernel, num_heads, num_kv_heads
 @pytest.mark.parametrize("batch", ["small", "large"])
 def test_float32_pool_every_gqa_layout_matches_torch(kernel, monkeypatch, num_heads, num_kv_heads, head_dim, batch):
     """The float32 path (AVX-512 FMAs: register accumulators for GQA groups of 1-4 up to 24 vectors,
-    one head at a time beyond; a runtime head size through the generic loops) against the torch
+    one head at a time beyond; on an AVX2-only CPU score_rows and accumulate_rows for head sizes 64
+    and 128; a runtime head size through the generic loops) against the torch
     reference at float32's level, over chunk edges (256 positions) and both work splits."""
     lens = [1, 15, 16, 17, 160, 1100]
     if batch == "large":
