@@ -43,6 +43,7 @@
 #include <torch/library.h>
 
 #include "cpu_amx.h"
+#include "cpu_simd.h"
 
 #include <algorithm>
 #include <atomic>
@@ -171,17 +172,7 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, con
 constexpr int64_t kTileRowsAvx2 = 4;
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-
-inline float sum_lanes(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+inline __m256 load8(const c10::BFloat16* p) { return pagedserve_simd::widen8(p); }
 
 template <int M, typename T>
 void widened_rows(const float* x, const T* w, const T* bias, T* y, int64_t K, int64_t N, int64_t begin, int64_t end) {
@@ -197,7 +188,7 @@ void widened_rows(const float* x, const T* w, const T* bias, T* y, int64_t K, in
       }
     }
     const float b = bias ? static_cast<float>(bias[n]) : 0.f;
-    for (int m = 0; m < M; ++m) y[m * N + n] = static_cast<T>(sum_lanes(_mm256_add_ps(even[m], odd[m])) + b);
+    for (int m = 0; m < M; ++m) y[m * N + n] = static_cast<T>(pagedserve_simd::sum8(_mm256_add_ps(even[m], odd[m])) + b);
   }
 }
 

@@ -140,16 +140,8 @@ inline float exp_nonpos(float x) {
 }
 
 #ifdef PAGEDSERVE_AVX2_DOT
-inline __m256 widen8(const c10::BFloat16* p) {  // a bfloat16 is the upper half of a float32
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-
-inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+using pagedserve_simd::sum8;
+using pagedserve_simd::widen8;
 
 // lane j of the result: the sum of v[j]'s 8 lanes
 inline __m256 sum8x8(const __m256* v) {

@@ -1,6 +1,30 @@
-// AVX-512 helpers shared by the CPU kernels (cpu_kernels.cpp, cpu_prefill.cpp, cpu_amx_prefill.cpp); header-only, so each
-// translation unit gets its own inline copy. Part of the build's hash (cpu_ops.HEADERS).
+// AVX-512 helpers shared by the CPU kernels (cpu_kernels.cpp, cpu_prefill.cpp, cpu_amx_prefill.cpp), and AVX2 ones
+// (cpu_kernels.cpp, cpu_gemv.cpp); header-only, so each translation unit gets its own inline copy. Part of the build's
+// hash (cpu_ops.HEADERS).
 #pragma once
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+namespace pagedserve_simd {
+
+// 8 bfloat16 values as float32 (exact: a bfloat16 is the upper half of a float32)
+inline __m256 widen8(const c10::BFloat16* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+// the sum of v's 8 lanes
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+}  // namespace pagedserve_simd
+
+#endif
 
 #ifdef __AVX512F__
 #include <immintrin.h>
