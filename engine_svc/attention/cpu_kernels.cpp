@@ -63,15 +63,20 @@ constexpr int kLanes = 16;  // two AVX2 registers of accumulators hide the FMA l
 // model (384 B each) are 96 KB, well inside L2, whatever the context length.
 constexpr int64_t kGatherRows = 256;
 
+// The sum of kLanes lane accumulators: a tree, not a chain of 16 dependent scalar adds (the
+// compiler may not reassociate floats). Overwrites the lanes.
+inline float sum_lanes(float* lanes) {
+  for (int j = 0; j < 8; ++j) lanes[j] += lanes[j + 8];
+  for (int j = 0; j < 4; ++j) lanes[j] += lanes[j + 4];
+  return (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]);
+}
+
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
   float acc[kLanes] = {};
   int64_t d = 0;
   for (; d + kLanes <= n; d += kLanes)
     for (int j = 0; j < kLanes; ++j) acc[j] += a[d + j] * b[d + j];
-  // a tree, not a chain of 16 dependent scalar adds (the compiler may not reassociate floats)
-  for (int j = 0; j < 8; ++j) acc[j] += acc[j + 8];
-  for (int j = 0; j < 4; ++j) acc[j] += acc[j + 4];
-  float sum = (acc[0] + acc[2]) + (acc[1] + acc[3]);
+  float sum = sum_lanes(acc);
   for (; d < n; ++d) sum += a[d] * b[d];
   return sum;
 }
@@ -95,9 +100,7 @@ inline float lane_sum(const float* __restrict x, int64_t n) {
   int64_t p = 0;
   for (; p + kLanes <= n; p += kLanes)
     for (int j = 0; j < kLanes; ++j) lanes[j] += x[p + j];
-  for (int j = 0; j < 8; ++j) lanes[j] += lanes[j + 8];
-  for (int j = 0; j < 4; ++j) lanes[j] += lanes[j + 4];
-  float sum = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]);
+  float sum = sum_lanes(lanes);
   for (; p < n; ++p) sum += x[p];
   return sum;
 }
