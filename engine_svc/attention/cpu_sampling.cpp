@@ -22,7 +22,7 @@
 #include <limits>
 #include <utility>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -165,11 +165,26 @@ inline std::pair<float, int64_t> row_top(const float* x, int64_t n) {
     lanes = _mm512_mask_mov_ps(lanes, _mm512_cmp_ps_mask(v, lanes, _CMP_GT_OQ), v);  // a NaN is never greater
   }
   top = _mm512_reduce_max_ps(lanes);
+#elif defined(__AVX2__) && defined(__FMA__)
+  // four accumulators, so that the max's latency does not chain every load
+  __m256 lanes[4] = {_mm256_set1_ps(top), _mm256_set1_ps(top), _mm256_set1_ps(top), _mm256_set1_ps(top)};
+  for (; j + 32 <= n; j += 32)
+    for (int k = 0; k < 4; ++k)
+      lanes[k] = _mm256_max_ps(_mm256_loadu_ps(x + j + 8 * k), lanes[k]);  // the second operand where the first is NaN
+  alignas(32) float eight[8];
+  _mm256_store_ps(eight, _mm256_max_ps(_mm256_max_ps(lanes[0], lanes[1]), _mm256_max_ps(lanes[2], lanes[3])));
+  top = *std::max_element(eight, eight + 8);
 #endif
   for (; j < n; ++j)
     if (x[j] > top) top = x[j];
   if (!(top > -std::numeric_limits<float>::infinity())) return {top, -1};
-  for (j = 0; x[j] != top; ++j) {
+  j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (const __m256 target = _mm256_set1_ps(top); j + 8 <= n; j += 8)
+    if (const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), target, _CMP_EQ_OQ)))
+      return {top, j + __builtin_ctz(hit)};
+#endif
+  for (; x[j] != top; ++j) {
   }
   return {top, j};
 }
@@ -238,6 +253,57 @@ int64_t row_race(const float* x, int64_t n, uint64_t key, uint64_t counter) {
         const int64_t at = j + 8 * half + lane;
         if (at != top_at) consider(at, shifted16[8 * half + lane], odds[lane]);
       }
+    }
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  // AVX2 (no AVX-512: AMD Zen 3), 8 elements at a time, skipping blocks as above. AVX2 has no 64-bit
+  // multiply, so mullo64 builds one from three 32 x 32 -> 64-bit products, and no 64-bit integer to
+  // double conversion, so the noise bound comes from the hash's top 24 bits, exact in a float:
+  // msb(odd) = msb(h) - 11 = 29 + e for e = msb(h >> 40), so 53 - msb(odd) = 151 - (biased exponent
+  // of h >> 40); an all-zero top (odds of 2^-24) has biased exponent 0, the largest bound: kept.
+  // The bound is added in float, its rounding (< 1e-5 here) covered by a 1e-4 margin on the bar;
+  // the candidates are then scored exactly, in order, as below.
+  auto mullo64 = [](__m256i a, __m256i b_lo, __m256i b_hi) {  // a * b mod 2^64, b = b_hi 2^32 + b_lo
+    const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), b_lo), _mm256_mul_epu32(a, b_hi));
+    return _mm256_add_epi64(_mm256_mul_epu32(a, b_lo), _mm256_slli_epi64(cross, 32));
+  };
+  auto mix4 = [&](__m256i h) {  // mix64 on 4 lanes
+    const __m256i c1_lo = _mm256_set1_epi64x(static_cast<int64_t>(0xBF58476D1CE4E5B9ull & 0xFFFFFFFFull));
+    const __m256i c1_hi = _mm256_set1_epi64x(static_cast<int64_t>(0xBF58476D1CE4E5B9ull >> 32));
+    const __m256i c2_lo = _mm256_set1_epi64x(static_cast<int64_t>(0x94D049BB133111EBull & 0xFFFFFFFFull));
+    const __m256i c2_hi = _mm256_set1_epi64x(static_cast<int64_t>(0x94D049BB133111EBull >> 32));
+    h = mullo64(_mm256_xor_si256(h, _mm256_srli_epi64(h, 30)), c1_lo, c1_hi);
+    h = mullo64(_mm256_xor_si256(h, _mm256_srli_epi64(h, 27)), c2_lo, c2_hi);
+    return _mm256_xor_si256(h, _mm256_srli_epi64(h, 31));
+  };
+  // base + (j + 1 + lane) kGolden: the even lanes of the block at j in start[0], the odd ones in
+  // start[1], so that their top halves interleave back into element order in one OR
+  __m256i start[2];
+  for (int odd_lanes = 0; odd_lanes < 2; ++odd_lanes)
+    start[odd_lanes] = _mm256_set_epi64x(static_cast<int64_t>(base + (7 + odd_lanes) * kGolden),
+                                         static_cast<int64_t>(base + (5 + odd_lanes) * kGolden),
+                                         static_cast<int64_t>(base + (3 + odd_lanes) * kGolden),
+                                         static_cast<int64_t>(base + (1 + odd_lanes) * kGolden));
+  const __m256i step = _mm256_set1_epi64x(static_cast<int64_t>(8 * kGolden));
+  const __m256 vtop = _mm256_set1_ps(top), ln2 = _mm256_set1_ps(static_cast<float>(kLn2));
+  const __m256i bias = _mm256_set1_epi32(151);
+  auto below = [](double b) {  // a float at or below b
+    return _mm256_set1_ps(std::nextafter(static_cast<float>(b), -std::numeric_limits<float>::infinity()));
+  };
+  double bar_best = best;
+  __m256 block_bar = below(best - 53 * kLn2 - 1e-6), bar = below(best - 1e-4);
+  for (; j + 8 <= n; j += 8, start[0] = _mm256_add_epi64(start[0], step), start[1] = _mm256_add_epi64(start[1], step)) {
+    const __m256 shifted = _mm256_sub_ps(_mm256_loadu_ps(x + j), vtop);
+    if (best != bar_best) bar_best = best, block_bar = below(best - 53 * kLn2 - 1e-6), bar = below(best - 1e-4);
+    const __m256 live = _mm256_cmp_ps(shifted, block_bar, _CMP_GE_OQ);  // false for NaN, -inf
+    if (!_mm256_movemask_ps(live)) continue;
+    const __m256i top24 = _mm256_or_si256(_mm256_srli_epi64(mix4(start[0]), 40),
+                                          _mm256_slli_epi64(_mm256_srli_epi64(mix4(start[1]), 40), 32));
+    const __m256i exponent = _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtepi32_ps(top24)), 23);
+    const __m256 bound = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(bias, exponent)), ln2, shifted);
+    for (int cand = _mm256_movemask_ps(_mm256_and_ps(live, _mm256_cmp_ps(bound, bar, _CMP_GE_OQ))); cand; cand &= cand - 1) {
+      const int64_t at = j + __builtin_ctz(cand);
+      if (at != top_at) consider(at, x[at] - top, odd_at(at));
     }
   }
 #endif

@@ -33,6 +33,18 @@ def test_kernel_draws_what_the_torch_race_draws(scale):
 
 
 @kernel
+@pytest.mark.parametrize("width", [1, 7, 31, 1003])
+def test_the_kernel_agrees_on_widths_no_vector_divides(width):
+    """The vector loops' tails: a row's top (and the other max it ties with) past the last full vector."""
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(64, width, generator=g) * 2.0
+    x[:32, -1] = 12.0  # the top in the tail
+    x[16:32, 0] = 12.0  # tied with the first element: the first index is the top
+    keys, counters = row_keys(list(range(64)), range(64))
+    assert race_op()(x, keys, counters).tolist() == race_rows_torch(x, keys, counters).tolist()
+
+
+@kernel
 def test_rows_of_nothing_finite_answer_zero_as_torch_does():
     x = torch.full((2, 16), float("-inf"))
     x[1] = float("nan")
