@@ -89,7 +89,7 @@ def kv_writer_for(key, value, k_cache, slot_mapping):
 
 def prefill_kernel_for(query, k_cache, v_cache):
     """torch.ops.pagedserve_cpu.paged_prefill when it can serve these tensors (CPU, a bfloat16 or
-    float32 pool, a CPU with AVX512-BF16, head size 64 or 128), else None: the caller then gathers
+    float32 pool, a CPU with AVX2 and FMA, head size 64 or 128), else None: the caller then gathers
     the context and runs torch's SDPA."""
     if not (query.device.type == k_cache.device.type == "cpu" and query.dtype == k_cache.dtype == v_cache.dtype
             and query.dtype in (torch.bfloat16, torch.float32) and k_cache.is_contiguous() and v_cache.is_contiguous()):

@@ -1,5 +1,5 @@
 // AVX-512 helpers shared by the CPU kernels (cpu_kernels.cpp, cpu_prefill.cpp, cpu_amx_prefill.cpp), and AVX2 ones
-// (cpu_kernels.cpp, cpu_gemv.cpp); header-only, so each translation unit gets its own inline copy. Part of the build's
+// (cpu_kernels.cpp, cpu_gemv.cpp, cpu_prefill.cpp); header-only, so each translation unit gets its own inline copy. Part of the build's
 // hash (cpu_ops.HEADERS).
 #pragma once
 
@@ -20,6 +20,24 @@ inline float sum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// exp(x) for x <= 0 on 8 lanes: cpu_kernels.cpp's exp_nonpos (Cephes), clamped at -87 so that 2^k
+// stays a normal float built from its exponent bits
+inline __m256 exp256_nonpos(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fmadd_ps(k, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
 }  // namespace pagedserve_simd

@@ -15,7 +15,7 @@ The per-step index work is cached and reused by every layer of the step (same te
 
 On CPU, the K/V rows are written by one C++ call (write_kv), and decode rows go to the C++ kernel of cpu_ops instead when it is available: it reads K/V
 in place through the block tables (no gather copy); so do a bfloat16 or float32 pool's prefill
-rows on a CPU with AVX512-BF16 (cpu_prefill.cpp, a causal flash attention over the pool, cached
+rows on a CPU with AVX2 and FMA (cpu_prefill.cpp, a causal flash attention over the pool, cached
 prefix included). The torch path below stays the reference and the fallback (PAGEDSERVE_CPU_KERNELS=0
 forces it).
 """

@@ -1,11 +1,11 @@
-"""The C++ paged prefill kernels (cpu_prefill.cpp: AVX512-BF16; cpu_amx_prefill.cpp: AMX tiles, where the
-CPU has them) against a float32 reference.
+"""The C++ paged prefill kernels (cpu_prefill.cpp: AVX512-BF16, or AVX2 and FMA without it;
+cpu_amx_prefill.cpp: AMX tiles, where the CPU has them) against a float32 reference.
 
 The reference gathers each sequence's context and runs torch's SDPA in float32 with an explicit
 causal mask shifted by the cached prefix. Every cache slot that no sequence wrote holds NaN, so a
 read past a context shows up in the output; block tables are shuffled. On a bfloat16 pool the
-kernel rounds the softmax weights to bfloat16 before the values product and the output once, so
-it is held to a bfloat16 tolerance (an output near 3 has an ulp of 0.016); on a float32 pool
+kernel rounds the softmax weights to bfloat16 before the values product (AVX512-BF16; the AVX2
+one keeps them float32) and the output once, so it is held to a bfloat16 tolerance (an output near 3 has an ulp of 0.016); on a float32 pool
 nothing is rounded, and it is held to float32's (1e-5).
 """
 
@@ -27,13 +27,13 @@ def prefill():
         pytest.skip("no C++ compiler (g++/c++): the CPU kernels cannot be built")
     assert cpu_ops.paged_decode_op() is not None, "a C++ compiler exists but the CPU kernels did not build"
     if not torch.ops.pagedserve_cpu.paged_prefill_supported(64):
-        pytest.skip("this CPU has no AVX512-BF16: prefill stays on the torch path")
+        pytest.skip("this CPU has neither AVX2 nor AVX512-BF16: prefill stays on the torch path")
     return torch.ops.pagedserve_cpu.paged_prefill
 
 
 @pytest.fixture(params=["vector", "amx"])
 def kernel(prefill, request):
-    """(name, op) of one kernel: the AVX512-BF16 one, and the AMX one where this CPU has AMX-BF16
+    """(name, op) of one kernel: the vector one (AVX512-BF16, or AVX2), and the AMX one where this CPU has AMX-BF16
     (paged_prefill takes it for bfloat16 pools there, the vector one elsewhere)."""
     if request.param == "amx" and not torch.ops.pagedserve_cpu.paged_prefill_amx_supported(64):
         pytest.skip("this CPU (or kernel) gives no AMX-BF16 tiles")
