@@ -127,14 +127,10 @@ inline void accumulate(const float* __restrict w, const float* __restrict rows, 
 inline float exp_nonpos(float x) {
   x = std::max(x, -87.0f);
   const float round = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer, branch-free
-  const float k = (x * 1.44269504088896341f + round) - round;
-  const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  const float k = (x * pagedserve_simd::kLog2e + round) - round;
+  const float r = (x - k * pagedserve_simd::kLn2Hi) - k * pagedserve_simd::kLn2Lo;
+  float p = pagedserve_simd::kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = p * r + pagedserve_simd::kExpPoly[i];
   p = p * r * r + r + 1.0f;
   const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
   float scale;

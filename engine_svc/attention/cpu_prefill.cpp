@@ -79,6 +79,47 @@ struct Problem {
   int64_t num_heads, num_kv_heads, block_size, max_blocks, num_blocks;
   float scale;
 };
+
+// An item's rows and keys. Row r of the tile is query position (row_begin + r) / group, head
+// (row_begin + r) % group; lanes past `rows` repeat the last row (computed, never written).
+template <int D, typename T>
+struct Tile {
+  const Problem<T>& P;
+  const Item& it;
+  const int64_t group = P.num_heads / P.num_kv_heads;
+  const int64_t q_len = P.starts[it.seq + 1] - P.starts[it.seq], ctx = P.lens[it.seq];
+  const int64_t rows = std::min<int64_t>(kRows, q_len * group - it.row_begin);
+
+  // tile row r's query, and its position in the sequence (which keys it sees)
+  const T* query(int r, int32_t& pos) const {
+    const int64_t row = it.row_begin + std::min<int64_t>(r, rows - 1);
+    pos = int32_t(ctx - q_len + row / group);
+    return P.query + ((P.starts[it.seq] + row / group) * P.num_heads + it.kv_head * group + row % group) * D;
+  }
+
+  // f(k, K row, V row) for keys [k0, k0 + n) of this kv head, walking the block table (no division per key)
+  template <typename F>
+  void keys(int64_t k0, int n, F&& f) const {
+    const int32_t* table = P.tables + it.seq * P.max_blocks;
+    const int64_t row_stride = P.num_kv_heads * D;
+    int64_t b = k0 / P.block_size, off = k0 % P.block_size;
+    for (int k = 0; k < n;) {
+      const int32_t block = table[b];  // checked by run_all, outside the parallel region
+      const int64_t base = (int64_t(block) * P.block_size) * row_stride + it.kv_head * D;
+      for (; off < P.block_size && k < n; ++off, ++k) f(k, P.k_cache + base + off * row_stride, P.v_cache + base + off * row_stride);
+      ++b, off = 0;
+    }
+  }
+
+  // the output: o[d][r] / l[r] (inv = 1 / l) into each real row's place
+  void write(const float (*o)[kRows], const float* inv) const {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t row = it.row_begin + r, token = P.starts[it.seq] + row / group;
+      T* dst = P.out + (token * P.num_heads + it.kv_head * group + row % group) * D;
+      for (int d = 0; d < D; ++d) dst[d] = T(o[d][r] * inv[r]);
+    }
+  }
+};
 #endif
 
 #ifdef PAGEDSERVE_BF16_PREFILL
@@ -159,19 +200,10 @@ void add_values(Scratch<D, c10::BFloat16>& w, const c10::BFloat16* const* vrow, 
 template <int D, typename T>
 void run_item(const Problem<T>& P, const Item& it, Scratch<D, T>& w) {
   constexpr bool kBf16 = std::is_same_v<T, c10::BFloat16>;
-  const int64_t group = P.num_heads / P.num_kv_heads;
-  const int64_t q_len = P.starts[it.seq + 1] - P.starts[it.seq], ctx = P.lens[it.seq];
-  const int64_t rows = std::min<int64_t>(kRows, q_len * group - it.row_begin);
-  const int32_t* table = P.tables + it.seq * P.max_blocks;
-  const int64_t row_stride = P.num_kv_heads * D;
-  // row r of the tile = query position (row_begin + r) / group, head (row_begin + r) % group; lanes past
-  // `rows` repeat the last row (computed, never written)
+  const Tile<D, T> tile{P, it};
   alignas(64) int32_t pos[kRows];
   for (int r = 0; r < kRows; ++r) {
-    const int64_t row = it.row_begin + std::min<int64_t>(r, rows - 1);
-    const int64_t token = P.starts[it.seq] + row / group;
-    pos[r] = int32_t(ctx - q_len + row / group);
-    const T* q = P.query + (token * P.num_heads + it.kv_head * group + row % group) * D;
+    const T* q = tile.query(r, pos[r]);
     if constexpr (kBf16) {
       for (int p = 0; p < D / 2; ++p) w.qp[p][r] = reinterpret_cast<const uint32_t*>(q)[p];
     } else {
@@ -182,20 +214,9 @@ void run_item(const Problem<T>& P, const Item& it, Scratch<D, T>& w) {
   const int64_t visible = pos[kRows - 1] + 1, first = pos[0];  // keys [0, visible) matter to some row
   for (int d = 0; d < D; ++d) _mm512_store_ps(w.o[d], _mm512_setzero_ps());
   __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), l = _mm512_setzero_ps();
-  // the pool rows of keys [k0, k0 + n) of this kv head, walking the block table (no division per key)
+  // the pool rows of keys [k0, k0 + n) of this kv head
   const T *krow[kChunk], *vrow[kChunk];
-  auto locate = [&](int64_t k0, int n) {
-    int64_t b = k0 / P.block_size, off = k0 % P.block_size;
-    for (int k = 0; k < n;) {
-      const int32_t block = table[b];  // checked by run_all, outside the parallel region
-      const int64_t base = (int64_t(block) * P.block_size) * row_stride + it.kv_head * D;
-      for (; off < P.block_size && k < n; ++off, ++k) {
-        krow[k] = P.k_cache + base + off * row_stride;
-        vrow[k] = P.v_cache + base + off * row_stride;
-      }
-      ++b, off = 0;
-    }
-  };
+  auto locate = [&](int64_t k0, int n) { tile.keys(k0, n, [&](int k, const T* kr, const T* vr) { krow[k] = kr, vrow[k] = vr; }); };
   const __m512 scale = _mm512_set1_ps(P.scale);
   for (int64_t k0 = 0; k0 < visible; k0 += kChunk) {
     const int nk = int(std::min<int64_t>(kChunk, visible - k0));
@@ -242,11 +263,7 @@ void run_item(const Problem<T>& P, const Item& it, Scratch<D, T>& w) {
   }
   alignas(64) float inv[kRows];
   _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l));  // l >= 1: every row sees key 0 and its own max
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t row = it.row_begin + r, token = P.starts[it.seq] + row / group;
-    T* dst = P.out + (token * P.num_heads + it.kv_head * group + row % group) * D;
-    for (int d = 0; d < D; ++d) dst[d] = T(w.o[d][r] * inv[r]);
-  }
+  tile.write(w.o, inv);
 }
 
 #endif
@@ -286,73 +303,47 @@ void split(int n, F&& f) {
   }
 }
 
-// The two products' inner loops, each a function of its own so that the compiler allocates the
-// registers for the loop alone, and every loop over the accumulators unrolled by pragma: g++ 12
-// otherwise keeps the array in memory and stores every accumulator at every step.
+// Both products in one inner loop, with the rows of the tile in the lanes of two vectors:
 //
-// s[i][r] = scale * q[r] . k[i] for the n <= N keys from k (a short block, n < 5, also scores the
-// rows after it, discarded: only chunks of under 20 keys have one, so k + N stays inside the scratch)
-template <int N, int D>
-[[gnu::noinline]] void score_block(float (*s)[kRows], const float (*q)[kRows], const float* k, int n, __m256 scale) {
+//   c[i][r] = beta * (alpha[r] c[i][r] + sum_t a[t][r] b[t kT + i kI])   for i < n, t < steps
+//
+// (no alpha: the sum alone). The scores are c = s, a = q, b = the K rows (t a dim, i a key); the
+// values c = o, a = the weights, b = the V rows (t a key, i a dim). N x 2 accumulators stay in
+// registers: the loop is a function of its own, so that the compiler allocates the registers for it
+// alone, and the loops over the accumulators are unrolled by pragma (g++ 12 otherwise keeps the
+// array in memory and stores every accumulator at every step). Outputs n..N - 1 (a short block of
+// scores, n < 5) are computed from the rows after the block's, and dropped: only chunks of under 20
+// keys have one, so they stay inside the scratch.
+template <int N, int kT, int kI>
+[[gnu::noinline]] void lane_block(float (*c)[kRows], const __m256* alpha, const float (*a)[kRows], const float* b,
+                                  int steps, int n, __m256 beta) {
   __m256 acc[N][kVecs];
 #pragma GCC unroll 6
   for (int i = 0; i < N; ++i)
 #pragma GCC unroll 2
-    for (int h = 0; h < kVecs; ++h) acc[i][h] = _mm256_setzero_ps();
-  for (int d = 0; d < D; ++d) {
-    const __m256 q0 = _mm256_loadu_ps(q[d]), q1 = _mm256_loadu_ps(q[d] + 8);
+    for (int h = 0; h < kVecs; ++h) acc[i][h] = alpha ? _mm256_mul_ps(_mm256_loadu_ps(c[i] + 8 * h), alpha[h]) : _mm256_setzero_ps();
+  for (int t = 0; t < steps; ++t) {
+    const __m256 a0 = _mm256_loadu_ps(a[t]), a1 = _mm256_loadu_ps(a[t] + 8);
 #pragma GCC unroll 6
     for (int i = 0; i < N; ++i) {
-      const __m256 key = _mm256_broadcast_ss(k + i * D + d);
-      acc[i][0] = _mm256_fmadd_ps(q0, key, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(q1, key, acc[i][1]);
+      const __m256 bi = _mm256_broadcast_ss(b + t * kT + i * kI);
+      acc[i][0] = _mm256_fmadd_ps(a0, bi, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(a1, bi, acc[i][1]);
     }
   }
 #pragma GCC unroll 6
   for (int i = 0; i < N; ++i)
     if (i < n)
 #pragma GCC unroll 2
-      for (int h = 0; h < kVecs; ++h) _mm256_storeu_ps(s[i] + 8 * h, _mm256_mul_ps(acc[i][h], scale));
-}
-
-// o[i][r] = corr[r] * o[i][r] + sum_k p[k][r] v[k * D + i] for the N dims from o and v, nk keys
-template <int N, int D>
-[[gnu::noinline]] void value_block(float (*o)[kRows], const float (*p)[kRows], const float* v, int nk, const __m256* corr) {
-  __m256 acc[N][kVecs];
-#pragma GCC unroll 6
-  for (int i = 0; i < N; ++i)
-#pragma GCC unroll 2
-    for (int h = 0; h < kVecs; ++h) acc[i][h] = _mm256_mul_ps(_mm256_loadu_ps(o[i] + 8 * h), corr[h]);
-  for (int k = 0; k < nk; ++k) {
-    const __m256 p0 = _mm256_loadu_ps(p[k]), p1 = _mm256_loadu_ps(p[k] + 8);
-#pragma GCC unroll 6
-    for (int i = 0; i < N; ++i) {
-      const __m256 value = _mm256_broadcast_ss(v + k * D + i);
-      acc[i][0] = _mm256_fmadd_ps(p0, value, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(p1, value, acc[i][1]);
-    }
-  }
-#pragma GCC unroll 6
-  for (int i = 0; i < N; ++i)
-#pragma GCC unroll 2
-    for (int h = 0; h < kVecs; ++h) _mm256_storeu_ps(o[i] + 8 * h, acc[i][h]);
+      for (int h = 0; h < kVecs; ++h) _mm256_storeu_ps(c[i] + 8 * h, _mm256_mul_ps(acc[i][h], beta));
 }
 
 template <int D, typename T>
 void run_item(const Problem<T>& P, const Item& it, Scratch<D, T>& w) {
-  const int64_t group = P.num_heads / P.num_kv_heads;
-  const int64_t q_len = P.starts[it.seq + 1] - P.starts[it.seq], ctx = P.lens[it.seq];
-  const int64_t rows = std::min<int64_t>(kRows, q_len * group - it.row_begin);
-  const int32_t* table = P.tables + it.seq * P.max_blocks;
-  const int64_t row_stride = P.num_kv_heads * D;
-  // row r of the tile = query position (row_begin + r) / group, head (row_begin + r) % group; lanes past
-  // `rows` repeat the last row (computed, never written)
+  const Tile<D, T> tile{P, it};
   alignas(32) int32_t pos[kRows];
   for (int r = 0; r < kRows; ++r) {
-    const int64_t row = it.row_begin + std::min<int64_t>(r, rows - 1);
-    const int64_t token = P.starts[it.seq] + row / group;
-    pos[r] = int32_t(ctx - q_len + row / group);
-    const T* q = P.query + (token * P.num_heads + it.kv_head * group + row % group) * D;
+    const T* q = tile.query(r, pos[r]);
     for (int d = 0; d < D; ++d) w.q[d][r] = static_cast<float>(q[d]);
   }
   __m256i positions[kVecs];
@@ -363,26 +354,21 @@ void run_item(const Problem<T>& P, const Item& it, Scratch<D, T>& w) {
   for (int h = 0; h < kVecs; ++h) m[h] = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), l[h] = _mm256_setzero_ps();
   // keys [k0, k0 + n) of this kv head: their K and V rows into w.k and w.v, as float32
   auto locate = [&](int64_t k0, int n) {
-    int64_t b = k0 / P.block_size, off = k0 % P.block_size;
-    for (int k = 0; k < n;) {
-      const int32_t block = table[b];  // checked by run_all, outside the parallel region
-      const int64_t base = (int64_t(block) * P.block_size) * row_stride + it.kv_head * D;
-      for (; off < P.block_size && k < n; ++off, ++k) {
-        const T *kr = P.k_cache + base + off * row_stride, *vr = P.v_cache + base + off * row_stride;
-        for (int d = 0; d < D; d += 8) {
-          _mm256_storeu_ps(w.k[k] + d, load8(kr + d));
-          _mm256_storeu_ps(w.v[k] + d, load8(vr + d));
-        }
+    tile.keys(k0, n, [&](int k, const T* kr, const T* vr) {
+      for (int d = 0; d < D; d += 8) {
+        _mm256_storeu_ps(w.k[k] + d, load8(kr + d));
+        _mm256_storeu_ps(w.v[k] + d, load8(vr + d));
       }
-      ++b, off = 0;
-    }
+    });
   };
-  const __m256 scale = _mm256_set1_ps(P.scale);
+  const __m256 scale = _mm256_set1_ps(P.scale), one = _mm256_set1_ps(1.f);
   for (int64_t k0 = 0; k0 < visible; k0 += kChunk) {
     const int nk = int(std::min<int64_t>(kChunk, visible - k0));
     locate(k0, nk);
     // scores: s[k][r] = scale * q[r] . K[k0 + k], 5 or 6 keys at a time, each key's dims broadcast
-    split(nk, [&](auto keys, int kb, int n) { score_block<decltype(keys)::value, D>(w.s + kb, w.q, w.k[kb], n, scale); });
+    split(nk, [&](auto keys, int kb, int n) {
+      lane_block<decltype(keys)::value, 1, D>(w.s + kb, nullptr, w.q, w.k[kb], D, n, scale);
+    });
     // online softmax, every row in its lane: mask k > position, new max, weights, sum, rescale
     __m256 corr[kVecs];
     for (int h = 0; h < kVecs; ++h) {
@@ -405,16 +391,12 @@ void run_item(const Problem<T>& P, const Item& it, Scratch<D, T>& w) {
     }
     // values: o[d][r] = corr[r] * o[d][r] + sum_k p[k][r] V[k][d], 5 or 6 dims at a time (D is 64
     // or 128: no block is short), each V element broadcast
-    split(D, [&](auto dims, int d0, int) { value_block<decltype(dims)::value, D>(w.o + d0, w.s, w.v[0] + d0, nk, corr); });
+    split(D, [&](auto dims, int d0, int n) { lane_block<decltype(dims)::value, D, 1>(w.o + d0, corr, w.s, w.v[0] + d0, nk, n, one); });
   }
   alignas(32) float inv[kRows];
   for (int h = 0; h < kVecs; ++h)
     _mm256_store_ps(inv + 8 * h, _mm256_div_ps(_mm256_set1_ps(1.f), l[h]));  // l >= 1: every row sees key 0 and its own max
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t row = it.row_begin + r, token = P.starts[it.seq] + row / group;
-    T* dst = P.out + (token * P.num_heads + it.kv_head * group + row % group) * D;
-    for (int d = 0; d < D; ++d) dst[d] = T(w.o[d][r] * inv[r]);
-  }
+  tile.write(w.o, inv);
 }
 #endif
 
