@@ -9,11 +9,14 @@ compiled by `warm_up` before the engine takes work, and `num_compiles` counts ev
 compiled, so a test can assert that a mixed workload compiles nothing more.
 
 Compiled graphs are cached under $PAGEDSERVE_CACHE/inductor (TORCHINDUCTOR_CACHE_DIR, unless the
-environment already names one), so a warm restart skips the C++ builds and the lowering.
+environment already names one), so a warm restart skips the C++ builds and the lowering. A cached
+graph calls the opaque ops through their schemas as they were when it was compiled, so the schemas
+of the project's ops are part of every cache key (`ops_cache_tag`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -45,9 +48,26 @@ def inductor_cache_dir() -> Path:
     return Path(root).expanduser() / "inductor"
 
 
+def ops_cache_tag() -> str:
+    """A digest of the schemas of the project's own ops (pagedserve::, pagedserve_cpu::). The C++
+    wrapper of a cached graph passes each op exactly the arguments its schema had then: after an
+    upgrade that added one (linear's out_dtype), a graph cached before it crashed the engine with a
+    segmentation fault, since inductor's key knows nothing of a custom op's schema."""
+    from engine_svc.attention import cpu_ops
+
+    cpu_ops.paged_decode_op()  # loads the C++ ops, where they are built and enabled
+    names = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.split("::")[0] in ("pagedserve", "pagedserve_cpu"))
+    schemas = "\n".join(str(torch._C._get_schema(name, "")) for name in names)
+    return "pagedserve-ops-" + hashlib.sha256(schemas.encode()).hexdigest()[:16]
+
+
 def _configure_inductor() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
     import torch._inductor.config as inductor
+
+    tag = ops_cache_tag()
+    if tag not in torch.compiler.config.cache_key_tag:
+        torch.compiler.config.cache_key_tag = "+".join(filter(None, (torch.compiler.config.cache_key_tag, tag)))
 
     # no freezing. It made the weights constants and prepacked them for oneDNN/MKL (16.5 vs 24 ms a
     # bfloat16 decode step when the linears were aten's); the linears are pagedserve_cpu.linear

@@ -184,6 +184,9 @@ WARM_START = """
 import json, sys
 import torch
 from engine_svc import EngineConfig, LLMEngine
+if len(sys.argv) > 3:  # one more op of the project's: the schemas a cached graph was compiled against changed
+    probe = torch.library.Library("pagedserve", "FRAGMENT")  # held: a library that goes takes its ops along
+    probe.define(sys.argv[3])
 engine = LLMEngine(EngineConfig(model=sys.argv[1], dtype=sys.argv[2], kv_cache_memory=8 << 20))
 counters = torch._dynamo.utils.counters["inductor"]
 print(json.dumps({"graphs": engine.runner.num_compiles, "hits": counters["fxgraph_cache_hit"],
@@ -193,13 +196,15 @@ print(json.dumps({"graphs": engine.runner.num_compiles, "hits": counters["fxgrap
 
 def test_a_warm_restart_takes_the_compiled_graphs_from_the_cache(tmp_path, tiny_llama_dir):
     """Two engine processes over one $PAGEDSERVE_CACHE: the first compiles both graphs, the second
-    finds both in inductor's FX graph cache, and nothing bypasses it. (A cold start here, the
-    C++ of the graphs and their wrappers built, takes about a minute.)"""
+    finds both in inductor's FX graph cache, and nothing bypasses it. A third, whose project ops'
+    schemas differ (as after an upgrade), compiles both again: a graph cached under other schemas
+    would call its ops with the wrong arguments. (A cold start here, the C++ of the graphs and their
+    wrappers built, takes about a minute.)"""
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     env["PAGEDSERVE_CACHE"] = str(tmp_path)
 
-    def start() -> dict:
-        proc = subprocess.run([sys.executable, "-c", WARM_START, str(tiny_llama_dir), "bfloat16"], env=env,
+    def start(*extra: str) -> dict:
+        proc = subprocess.run([sys.executable, "-c", WARM_START, str(tiny_llama_dir), "bfloat16", *extra], env=env,
                               cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -207,4 +212,5 @@ def test_a_warm_restart_takes_the_compiled_graphs_from_the_cache(tmp_path, tiny_
     cold, warm = start(), start()
     assert cold == {"graphs": 2, "hits": 0, "misses": 2, "bypasses": 0}
     assert warm == {"graphs": 2, "hits": 2, "misses": 0, "bypasses": 0}
+    assert start("cache_probe(Tensor x) -> Tensor") == cold
     assert (tmp_path / "inductor").is_dir()
