@@ -133,11 +133,12 @@ class ModelRunner:
 
     def execute(self, plan: SchedulerOutput) -> torch.Tensor:
         """Block copies, then one forward over every chunk; logits [num sampled chunks, vocab] in the
-        model's dtype (the sampler widens them to float32 where it needs more than an argmax)."""
+        model's ``logits_dtype`` (the sampler widens bfloat16 ones to float32 where it needs more than an
+        argmax)."""
         if plan.block_copies:
             self.copy_blocks(plan.block_copies)
         if not plan.chunks:
-            return torch.empty((0, self.vocab_size), dtype=self.dtype, device=self.device)
+            return torch.empty((0, self.vocab_size), dtype=self.model.logits_dtype, device=self.device)
         inputs = self.prepare(plan.chunks)
         self.attention.meta = inputs.meta
         forward = self.compiled or self.model

@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #ifdef PAGEDSERVE_AMX
@@ -67,27 +68,33 @@ AMX_TARGET void pack_x(const c10::BFloat16* x, uint32_t* packed, int64_t M, int6
   }
 }
 
-// One C tile (16 weight rows n0.. x 16 token columns, floats at stride 16) -> y rows m < cols, + bias.
-AMX_TARGET inline void store_rows(const float* tile, const c10::BFloat16* bias, c10::BFloat16* y, int64_t n0,
-                                  int64_t m0, int64_t cols, int64_t N) {
+// One C tile (16 weight rows n0.. x 16 token columns, floats at stride 16) -> y rows m < cols, + bias,
+// rounded to bfloat16 or stored as they are (Y = float: a model's logits).
+template <typename Y>
+AMX_TARGET inline void store_rows(const float* tile, const c10::BFloat16* bias, Y* y, int64_t n0, int64_t m0,
+                                  int64_t cols, int64_t N) {
   __m512 r[16];
   for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(tile + i * 16);
   transpose16(r);
   const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
                               _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + n0))), 16))
                         : _mm512_setzero_ps();
-  for (int64_t m = 0; m < cols; ++m)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + m) * N + n0),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(r[m], b)));
+  for (int64_t m = 0; m < cols; ++m) {
+    const __m512 row = _mm512_add_ps(r[m], b);
+    if constexpr (std::is_same_v<Y, float>)
+      _mm512_storeu_ps(y + (m0 + m) * N + n0, row);
+    else
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + m) * N + n0), (__m256i)_mm512_cvtneps_pbh(row));
+  }
 }
 
 // Weight rows [16 * block_begin, 16 * block_end), NB blocks of 16 at a time, times token rows
 // [m_begin, m_end) of the packed x (cols wide) in tiles of 16 (columns past m_end multiply the
 // packed zeros and are not stored; every tile is 16 x 64 bytes, so the shapes of a tile product
 // always match). A block's weights come from memory for the first tile, from cache after.
-template <int NB>
+template <int NB, typename Y>
 AMX_TARGET void run_blocks(const uint32_t* packed, int64_t cols, const c10::BFloat16* w, const c10::BFloat16* bias,
-                           c10::BFloat16* y, int64_t m_begin, int64_t m_end, int64_t K, int64_t N,
+                           Y* y, int64_t m_begin, int64_t m_end, int64_t K, int64_t N,
                            int64_t block_begin, int64_t block_end) {
   static_assert(NB == 1 || NB == 2);
   const TileConfig cfg;
@@ -126,15 +133,9 @@ AMX_TARGET void run_blocks(const uint32_t* packed, int64_t cols, const c10::BFlo
   _tile_release();
 }
 
-}  // namespace
-
-bool available() {
-  static const bool ok = probe();
-  return ok;
-}
-
-void linear(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y, int64_t M,
-            int64_t K, int64_t N) {
+template <typename Y>
+void linear_into(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, Y* y, int64_t M,
+                 int64_t K, int64_t N) {
   // token rows in slices whose packed x stays in L2 (~256 KB); per slice, pairs of weight blocks over
   // the threads, each pair times every tile of 16 rows of the slice
   const int64_t num_blocks = N / kTileRows, slice = std::max<int64_t>(16, (int64_t(1) << 18) / (2 * K) / 16 * 16);
@@ -151,12 +152,30 @@ void linear(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16*
   }
 }
 
+}  // namespace
+
+bool available() {
+  static const bool ok = probe();
+  return ok;
+}
+
+void linear(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y, int64_t M,
+            int64_t K, int64_t N) {
+  linear_into(x, w, bias, y, M, K, N);
+}
+
+void linear(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, float* y, int64_t M, int64_t K,
+            int64_t N) {
+  linear_into(x, w, bias, y, M, K, N);
+}
+
 #else
 bool available() { return false; }
 bool prefill_supported(int64_t) { return false; }
 void paged_prefill(const PrefillProblem&) {}
 void linear(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*, c10::BFloat16*, int64_t, int64_t,
             int64_t) {}
+void linear(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*, float*, int64_t, int64_t, int64_t) {}
 #endif
 
 }  // namespace pagedserve::amx

@@ -28,9 +28,12 @@ constexpr int64_t kMaxRows = 128;
 bool available();
 
 // y[M, N] = x[M, K] W[N, K]^T (+ bias[N]), all bfloat16 and contiguous; 1 <= M <= kMaxRows, K % 32 == 0,
-// N % 16 == 0. Accumulates in float32 (pairwise bfloat16 products, as VDPBF16PS); rounds once.
+// N % 16 == 0. Accumulates in float32 (pairwise bfloat16 products, as VDPBF16PS); rounds once, or not at
+// all into a float32 y (a model's logits).
 void linear(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y, int64_t M,
             int64_t K, int64_t N);
+void linear(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, float* y, int64_t M, int64_t K,
+            int64_t N);
 
 // Causal paged prefill attention over a bfloat16 pool (cpu_prefill.cpp's contract, checked there).
 struct PrefillProblem {

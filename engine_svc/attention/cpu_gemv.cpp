@@ -18,6 +18,11 @@
 // from a float32 packed copy: oneDNN has no bfloat16 there, and at::linear's is a scalar loop; its
 // float32 rows take the same loop up to kMaxRowsF32Avx2, and oneDNN past them.
 //
+// out_dtype float32 for bfloat16 x (a model's logits): the loops, the tiles and oneDNN from a float32
+// copy all sum in float32, and y keeps those sums instead of rounding them to bfloat16 (3 significant
+// digits, enough to flip near-tied top tokens); only a bfloat16 oneDNN or at::linear rounds, and is
+// widened after.
+//
 // What oneDNN computes it computes faster from a weight reordered once into its own blocked layout
 // (pack_linear_weight: a handle to the packed copy, held here until release_linear_weight) than
 // from the plain matrix, which it reorders piece by piece on every call. 30 layers' weights, bf16,
@@ -62,6 +67,13 @@
 
 namespace {
 
+// x's sizes with the last one N: y's
+std::vector<int64_t> out_sizes(const at::Tensor& x, int64_t N) {
+  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+  sizes.back() = N;
+  return sizes;
+}
+
 constexpr int64_t kTileRows = 8, kBlockRows = 32;
 // Measured here against at::linear (2 threads): bfloat16 2-3.5x faster at M = 1, even at M = 24-32,
 // and oneDNN's blocked GEMM ahead from M = 64 (1.3-1.9x at 256). float32: at::linear is MKL's SGEMM,
@@ -96,9 +108,9 @@ void gemv_rows_f32(const float* x, const float* w, const float* bias, float* y, 
   }
 }
 
-template <int M>
-void gemv_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y,
-               int64_t K, int64_t N, int64_t begin, int64_t end) {
+template <int M, typename Y>
+void gemv_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, Y* y, int64_t K, int64_t N,
+               int64_t begin, int64_t end) {
   for (int64_t n = begin; n < end; ++n) {
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
@@ -109,12 +121,12 @@ void gemv_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat
         acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512(x + m * K + k), wk);
     }
     const float b = bias ? static_cast<float>(bias[n]) : 0.f;
-    for (int m = 0; m < M; ++m) y[m * N + n] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[m]) + b);
+    for (int m = 0; m < M; ++m) y[m * N + n] = static_cast<Y>(_mm512_reduce_add_ps(acc[m]) + b);
   }
 }
 
-template <int M, typename T>
-void gemv_block(const T* x, const T* w, const T* bias, T* y, int64_t K, int64_t N, int64_t begin, int64_t end) {
+template <int M, typename T, typename Y>
+void gemv_block(const T* x, const T* w, const T* bias, Y* y, int64_t K, int64_t N, int64_t begin, int64_t end) {
   if constexpr (std::is_same_v<T, float>)
     gemv_rows_f32<M>(x, w, bias, y, K, N, begin, end);
   else
@@ -123,14 +135,14 @@ void gemv_block(const T* x, const T* w, const T* bias, T* y, int64_t K, int64_t 
 
 // Token rows in tiles of 8 (the accumulators of one tile stay in registers); a block of kBlockRows
 // weight rows is read from memory by the first tile and from cache by the others.
-template <typename T>
-void gemv(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t K, int64_t N) {
+template <typename T, typename Y>
+void gemv(const T* x, const T* w, const T* bias, Y* y, int64_t M, int64_t K, int64_t N) {
   at::parallel_for(0, (N + kBlockRows - 1) / kBlockRows, 0, [&](int64_t block_begin, int64_t block_end) {
     for (int64_t b = block_begin; b < block_end; ++b) {
       const int64_t begin = b * kBlockRows, end = std::min(N, (b + 1) * kBlockRows);
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
         const T* xt = x + m0 * K;
-        T* yt = y + m0 * N;
+        Y* yt = y + m0 * N;
         switch (std::min<int64_t>(kTileRows, M - m0)) {
           case 1: gemv_block<1>(xt, w, bias, yt, K, N, begin, end); break;
           case 2: gemv_block<2>(xt, w, bias, yt, K, N, begin, end); break;
@@ -147,15 +159,16 @@ void gemv(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t K, int
 }
 
 template <typename T>
-at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, const T* bias, int64_t M) {
+at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, const T* bias, int64_t M,
+                              at::ScalarType out) {
   const int64_t K = x.size(-1), N = weight.size(0);
   const at::Tensor xc = x.contiguous();
-  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
-  sizes.back() = N;
-  at::Tensor y = at::empty(sizes, x.options());
+  at::Tensor y = at::empty(out_sizes(x, N), x.options().dtype(out));
   const T *xp = xc.data_ptr<T>(), *wp = weight.data_ptr<T>();
-  T* yp = y.data_ptr<T>();
-  gemv<T>(xp, wp, bias, yp, M, K, N);
+  if (out == at::kFloat)
+    gemv<T, float>(xp, wp, bias, y.data_ptr<float>(), M, K, N);
+  else
+    gemv<T, T>(xp, wp, bias, y.data_ptr<T>(), M, K, N);
   return y;
 }
 #endif
@@ -174,8 +187,8 @@ constexpr int64_t kTileRowsAvx2 = 4;
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) { return pagedserve_simd::widen8(p); }
 
-template <int M, typename T>
-void widened_rows(const float* x, const T* w, const T* bias, T* y, int64_t K, int64_t N, int64_t begin, int64_t end) {
+template <int M, typename T, typename Y>
+void widened_rows(const float* x, const T* w, const T* bias, Y* y, int64_t K, int64_t N, int64_t begin, int64_t end) {
   for (int64_t n = begin; n < end; ++n) {
     __m256 even[M], odd[M];
     for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm256_setzero_ps();
@@ -188,29 +201,21 @@ void widened_rows(const float* x, const T* w, const T* bias, T* y, int64_t K, in
       }
     }
     const float b = bias ? static_cast<float>(bias[n]) : 0.f;
-    for (int m = 0; m < M; ++m) y[m * N + n] = static_cast<T>(pagedserve_simd::sum8(_mm256_add_ps(even[m], odd[m])) + b);
+    for (int m = 0; m < M; ++m) y[m * N + n] = static_cast<Y>(pagedserve_simd::sum8(_mm256_add_ps(even[m], odd[m])) + b);
   }
 }
 
-// y = x W^T (+ b) for x [M, K] and W [N, K] of dtype T (bfloat16 or float32), K % 16 == 0; weight
-// rows split over the threads in blocks of kBlockRows, each block read from memory by its first tile
-// of token rows.
-template <typename T>
-at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, const T* bias, int64_t M) {
-  const int64_t K = x.size(-1), N = weight.size(0);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();  // float32 x: itself
-  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
-  sizes.back() = N;
-  at::Tensor y = at::empty(sizes, x.options());
-  const float* xp = xf.data_ptr<float>();
-  const T* wp = weight.data_ptr<T>();
-  T* yp = y.data_ptr<T>();
+// y = x W^T (+ b) for x [M, K] (float32) and W [N, K] of dtype T (bfloat16 or float32), K % 16 == 0;
+// weight rows split over the threads in blocks of kBlockRows, each block read from memory by its first
+// tile of token rows.
+template <typename T, typename Y>
+void widened(const float* xp, const T* wp, const T* bias, Y* yp, int64_t M, int64_t K, int64_t N) {
   at::parallel_for(0, (N + kBlockRows - 1) / kBlockRows, 0, [&](int64_t block_begin, int64_t block_end) {
     for (int64_t b = block_begin; b < block_end; ++b) {
       const int64_t begin = b * kBlockRows, end = std::min(N, (b + 1) * kBlockRows);
       for (int64_t m0 = 0; m0 < M; m0 += kTileRowsAvx2) {
         const float* xt = xp + m0 * K;
-        T* yt = yp + m0 * N;
+        Y* yt = yp + m0 * N;
         switch (std::min<int64_t>(kTileRowsAvx2, M - m0)) {
           case 1: widened_rows<1>(xt, wp, bias, yt, K, N, begin, end); break;
           case 2: widened_rows<2>(xt, wp, bias, yt, K, N, begin, end); break;
@@ -220,6 +225,19 @@ at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, const T
       }
     }
   });
+}
+
+template <typename T>
+at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, const T* bias, int64_t M, at::ScalarType out) {
+  const int64_t K = x.size(-1), N = weight.size(0);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // float32 x: itself
+  at::Tensor y = at::empty(out_sizes(x, N), x.options().dtype(out));
+  const float* xp = xf.data_ptr<float>();
+  const T* wp = weight.data_ptr<T>();
+  if (out == at::kFloat)
+    widened<T, float>(xp, wp, bias, y.data_ptr<float>(), M, K, N);
+  else
+    widened<T, T>(xp, wp, bias, y.data_ptr<T>(), M, K, N);
   return y;
 }
 #endif
@@ -330,18 +348,30 @@ bool amx_takes(const at::Tensor& x, const at::Tensor& weight, const c10::optiona
          (!has_bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N));
 }
 
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+// y's dtype: x's, or float32 where asked (a model's logits: the loops accumulate in float32, so a
+// bfloat16 model's logits need not be rounded to bfloat16; paths that round anyway are widened after)
+at::ScalarType out_type(const at::Tensor& x, const c10::optional<at::ScalarType>& out_dtype) {
+  const at::ScalarType out = out_dtype.value_or(x.scalar_type());
+  TORCH_CHECK(out == x.scalar_type() || out == at::kFloat, "linear: out_dtype is x's dtype or float32, not ", out);
+  return out;
+}
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                      c10::optional<at::ScalarType> out_dtype) {
   const int64_t K = x.size(-1), N = weight.size(0), M = K > 0 ? x.numel() / K : 0;
   TORCH_CHECK(pagedserve::amx::available(), "linear_amx: this CPU (or kernel) gives no AMX-BF16 tiles");
   TORCH_CHECK(amx_takes(x, weight, bias, M), "linear_amx: needs bfloat16, 1..", pagedserve::amx::kMaxRows,
               " rows, K % 32 == 0, N % 16 == 0, contiguous weight and bias");
+  const at::ScalarType out = out_type(x, out_dtype);
   const at::Tensor xc = x.contiguous();
-  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
-  sizes.back() = N;
-  at::Tensor y = at::empty(sizes, x.options());
+  at::Tensor y = at::empty(out_sizes(x, N), x.options().dtype(out));
   const bool has_bias = bias.has_value() && bias->defined();
-  pagedserve::amx::linear(xc.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(),
-                          has_bias ? bias->data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>(), M, K, N);
+  const c10::BFloat16 *xp = xc.data_ptr<c10::BFloat16>(), *wp = weight.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* bp = has_bias ? bias->data_ptr<c10::BFloat16>() : nullptr;
+  if (out == at::kFloat)
+    pagedserve::amx::linear(xp, wp, bp, y.data_ptr<float>(), M, K, N);
+  else
+    pagedserve::amx::linear(xp, wp, bp, y.data_ptr<c10::BFloat16>(), M, K, N);
   return y;
 }
 
@@ -349,8 +379,9 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::
 // handle (>= 0) the rest goes to oneDNN with that packed copy of weight; the handle is checked
 // against weight whichever path runs.
 at::Tensor vector_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                         int64_t packed) {
+                         int64_t packed, c10::optional<at::ScalarType> out_dtype) {
   const at::Tensor packed_weight = packed >= 0 ? packed_weights().get(packed, weight) : at::Tensor();
+  const at::ScalarType out = out_type(x, out_dtype);
 #ifdef PAGEDSERVE_BF16_GEMV
   const int64_t K = x.size(-1), N = weight.size(0);
   const int64_t M = K > 0 ? x.numel() / K : 0;
@@ -360,8 +391,8 @@ at::Tensor vector_linear(const at::Tensor& x, const at::Tensor& weight, const c1
       weight.size(1) == K && weight.is_contiguous() && K % 32 == 0 && M >= 1 && M <= (dtype == at::kFloat ? kMaxRowsF32 : kMaxRowsBf16) &&
       (!has_bias || (bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == N))) {
     if (dtype == at::kFloat)
-      return small_batch_linear<float>(x, weight, has_bias ? bias->data_ptr<float>() : nullptr, M);
-    return small_batch_linear<c10::BFloat16>(x, weight, has_bias ? bias->data_ptr<c10::BFloat16>() : nullptr, M);
+      return small_batch_linear<float>(x, weight, has_bias ? bias->data_ptr<float>() : nullptr, M, out);
+    return small_batch_linear<c10::BFloat16>(x, weight, has_bias ? bias->data_ptr<c10::BFloat16>() : nullptr, M, out);
   }
 #endif
 #ifdef PAGEDSERVE_AVX2_GEMV
@@ -373,39 +404,40 @@ at::Tensor vector_linear(const at::Tensor& x, const at::Tensor& weight, const c1
         weight.size(1) == K && weight.is_contiguous() && K % 16 == 0 && M >= 1 &&
         M <= (dtype == at::kFloat ? kMaxRowsF32Avx2 : kMaxRowsBf16Avx2) &&
         (!has_bias || (bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == N))) {
-      if (dtype == at::kFloat) return widened_linear<float>(x, weight, has_bias ? bias->data_ptr<float>() : nullptr, M);
-      return widened_linear<c10::BFloat16>(x, weight, has_bias ? bias->data_ptr<c10::BFloat16>() : nullptr, M);
+      if (dtype == at::kFloat)
+        return widened_linear<float>(x, weight, has_bias ? bias->data_ptr<float>() : nullptr, M, out);
+      return widened_linear<c10::BFloat16>(x, weight, has_bias ? bias->data_ptr<c10::BFloat16>() : nullptr, M, out);
     }
   }
 #endif
   const bool bias_matches = !bias.has_value() || !bias->defined() || bias->scalar_type() == weight.scalar_type();
   if (packed >= 0 && x.numel() > 0 && x.scalar_type() == weight.scalar_type() && x.size(-1) == weight.size(1) &&
       bias_matches) {
-    if (packed_weight.scalar_type() == x.scalar_type()) return onednn_linear(x, packed_weight, bias);
+    if (packed_weight.scalar_type() == x.scalar_type()) return onednn_linear(x, packed_weight, bias).to(out);
     // a float32 copy of a bfloat16 weight (oneDNN has no bfloat16 on this CPU): the rows in float32
     const c10::optional<at::Tensor> bias_f32 =
         bias.has_value() && bias->defined() ? c10::optional<at::Tensor>(bias->to(at::kFloat)) : c10::nullopt;
-    return onednn_linear(x.to(at::kFloat), packed_weight, bias_f32).to(x.scalar_type());
+    return onednn_linear(x.to(at::kFloat), packed_weight, bias_f32).to(out);
   }
-  return onednn_takes(x, weight, bias) ? onednn_linear(x, weight, bias) : at::linear(x, weight, bias);
+  return (onednn_takes(x, weight, bias) ? onednn_linear(x, weight, bias) : at::linear(x, weight, bias)).to(out);
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                  int64_t packed) {
+                  int64_t packed, c10::optional<at::ScalarType> out_dtype) {
   const int64_t K = x.size(-1), M = K > 0 ? x.numel() / K : 0;
   if (M <= amx_rows() && pagedserve::amx::available() && amx_takes(x, weight, bias, M)) {
     if (packed >= 0) packed_weights().get(packed, weight);  // the tiles read weight itself; the handle must still match
-    return amx_linear(x, weight, bias);
+    return amx_linear(x, weight, bias, out_dtype);
   }
-  return vector_linear(x, weight, bias, packed);
+  return vector_linear(x, weight, bias, packed, out_dtype);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
-  m.def("linear(Tensor x, Tensor weight, Tensor? bias, int packed=-1) -> Tensor");
-  m.def("linear_amx(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("linear_vector(Tensor x, Tensor weight, Tensor? bias, int packed=-1) -> Tensor");
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias, int packed=-1, ScalarType? out_dtype=None) -> Tensor");
+  m.def("linear_amx(Tensor x, Tensor weight, Tensor? bias, ScalarType? out_dtype=None) -> Tensor");
+  m.def("linear_vector(Tensor x, Tensor weight, Tensor? bias, int packed=-1, ScalarType? out_dtype=None) -> Tensor");
   m.def("amx_available() -> bool", &pagedserve::amx::available);
   m.def("pack_linear_weight(Tensor weight, int batch_size) -> int", &pack_linear_weight);
   m.def("release_linear_weight(int handle) -> ()", &release_linear_weight);

@@ -215,7 +215,8 @@ def _load():
         torch.ops.load_library(str(library))
         # shapes for torch.compile: the ops themselves stay opaque inside a compiled graph
         torch.library.register_fake("pagedserve_cpu::linear")(
-            lambda x, weight, bias=None, packed=-1: x.new_empty((*x.shape[:-1], weight.shape[0])))
+            lambda x, weight, bias=None, packed=-1, out_dtype=None: x.new_empty((*x.shape[:-1], weight.shape[0]),
+                                                                                dtype=out_dtype or x.dtype))
         torch.library.register_fake("pagedserve_cpu::silu_mul")(
             lambda gate_up: gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2)))
         return torch.ops.pagedserve_cpu.paged_decode

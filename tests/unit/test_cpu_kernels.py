@@ -6,6 +6,7 @@ length shows up as NaN in the output; block tables are shuffled so blocks are no
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import shutil
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_svc import EngineConfig, LLMEngine
+from engine_svc import EngineConfig, LLMEngine, cpu_info
 from engine_svc.attention import TorchAttentionBackend, cpu_ops, torch_backend
 from shared.protocol import SamplingParams
 
@@ -271,7 +272,8 @@ def test_kv_write_checks_every_slot_before_writing(kernel):
 @pytest.mark.parametrize("num_out", [70, 96])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("packed", [False, True, "float32"])
-def test_small_batch_linear_matches_torch(kernel, op, dtype, num_rows, num_out, with_bias, packed):
+@pytest.mark.parametrize("out_dtype", [None, torch.float32], ids=["out-x", "out-f32"])
+def test_small_batch_linear_matches_torch(kernel, op, dtype, num_rows, num_out, with_bias, packed, out_dtype):
     """cpu_gemv.cpp and cpu_amx.cpp against a float64 reference on random inputs. linear_vector: the
     GEMV loop (rows past 8 in tiles; float32 from 8 rows and bfloat16 from 25 go to oneDNN, from the
     weight's packed copy when given its handle; without AVX-512, bfloat16 up to 64 rows widened to
@@ -281,7 +283,8 @@ def test_small_batch_linear_matches_torch(kernel, op, dtype, num_rows, num_out, 
     bfloat16 tiles for up to 128 rows (groups of 32 past 32) and whole blocks of 16 outputs (where the CPU
     has AMX-BF16);
     linear: the tiles where they serve, else linear_vector. The output is fresh, so an unwritten element
-    would be garbage."""
+    would be garbage. out_dtype float32 (a model's logits): the same sums, unrounded; rounded to
+    bfloat16 they are the bfloat16 output exactly."""
     amx_serves = dtype == torch.bfloat16 and num_rows <= 128 and num_out % 16 == 0
     if op == "linear_amx" and not torch.ops.pagedserve_cpu.amx_available():
         pytest.skip("this CPU (or kernel) gives no AMX-BF16 tiles")
@@ -289,7 +292,10 @@ def test_small_batch_linear_matches_torch(kernel, op, dtype, num_rows, num_out, 
         pytest.skip("the tiles read the plain weight: linear_amx takes no packed copy")
     if packed == "float32" and dtype != torch.bfloat16:
         pytest.skip("a float32 copy stands in for a bfloat16 weight only")
-    linear = getattr(torch.ops.pagedserve_cpu, op)
+    if out_dtype is not None and dtype == torch.float32 and (num_rows % 8 != 1 or with_bias):
+        pytest.skip("float32 out of float32 rows: the same call, a few shapes are enough")
+    op_linear = getattr(torch.ops.pagedserve_cpu, op)
+    linear = functools.partial(op_linear, out_dtype=out_dtype)
     gen = torch.Generator().manual_seed(num_rows)
     x = torch.randn(num_rows, 96, generator=gen).to(dtype)
     weight = torch.randn(num_out, 96, generator=gen).to(dtype)  # 70 rows: a partial block of 32 (and of 16)
@@ -307,13 +313,43 @@ def test_small_batch_linear_matches_torch(kernel, op, dtype, num_rows, num_out, 
             torch.ops.pagedserve_cpu.release_linear_weight(handle)
     else:
         out = linear(x.view(1, num_rows, 96), weight, bias)
-    assert out.shape == (1, num_rows, num_out) and out.dtype == dtype
+    assert out.shape == (1, num_rows, num_out) and out.dtype == (out_dtype or dtype)
     ref = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=5e-2)  # bf16: one rounding
     torch.testing.assert_close(out[0].double(), ref, **tol)
+    if out_dtype is not None and dtype == torch.bfloat16:
+        if packed:
+            handle = torch.ops.pagedserve_cpu.pack_linear_weight(weight.float() if widened else weight, 64)
+            try:
+                rounded = op_linear(x.view(1, num_rows, 96), weight, bias, handle)
+            finally:
+                torch.ops.pagedserve_cpu.release_linear_weight(handle)
+        else:
+            rounded = op_linear(x.view(1, num_rows, 96), weight, bias)
+        assert torch.equal(out.bfloat16(), rounded)
     if (op == "linear" and amx_serves and torch.ops.pagedserve_cpu.amx_available()
             and num_rows <= torch.ops.pagedserve_cpu.amx_rows()):
         assert torch.equal(out, torch.ops.pagedserve_cpu.linear_amx(x.view(1, num_rows, 96), weight, bias))
+
+
+@pytest.mark.parametrize("num_rows", [1, 7, 16])
+def test_bfloat16_linear_into_float32_is_not_rounded(kernel, num_rows):
+    """A bfloat16 model's logits: up to 16 token rows every loop serves (AVX512-BF16, AVX2 widened,
+    AMX tiles), and each sums in float32 and stores that sum, not its bfloat16 rounding."""
+    if not {"avx2", "fma"} <= cpu_info.cpu_flags():
+        pytest.skip("no vector loop on this CPU: at::linear's bfloat16 output")
+    gen = torch.Generator().manual_seed(num_rows)
+    x, weight = torch.randn(num_rows, 96, generator=gen).bfloat16(), torch.randn(80, 96, generator=gen).bfloat16()
+    handle = torch.ops.pagedserve_cpu.pack_linear_weight(weight if cpu_ops.onednn_packs(torch.bfloat16) else weight.float(), 64)
+    try:
+        out = torch.ops.pagedserve_cpu.linear(x, weight, None, handle, torch.float32)
+    finally:
+        torch.ops.pagedserve_cpu.release_linear_weight(handle)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), x.double() @ weight.double().T, rtol=1e-5, atol=1e-4)
+    assert (out != out.bfloat16().float()).float().mean() > 0.9  # nearly every sum needs more than 8 bits
+    with pytest.raises(RuntimeError, match="out_dtype is x's dtype or float32"):
+        torch.ops.pagedserve_cpu.linear(x, weight, None, -1, torch.float16)
 
 
 def test_amx_rows_limit_decides_the_path(kernel):
