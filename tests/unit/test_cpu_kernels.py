@@ -304,32 +304,28 @@ def test_small_batch_linear_matches_torch(kernel, op, dtype, num_rows, num_out, 
         with pytest.raises(RuntimeError, match="linear_amx: needs bfloat16"):
             linear(x.view(1, num_rows, 96), weight, bias)
         return
-    if packed:
+
+    def run(fn) -> torch.Tensor:  # with a fresh packed copy where asked, released after
+        if not packed:
+            return fn(x.view(1, num_rows, 96), weight, bias)
         widened = packed == "float32" or not cpu_ops.onednn_packs(dtype)  # as cpu_ops.PackedWeights packs
         handle = torch.ops.pagedserve_cpu.pack_linear_weight(weight.float() if widened else weight, 64)
         try:
-            out = linear(x.view(1, num_rows, 96), weight, bias, handle)
+            return fn(x.view(1, num_rows, 96), weight, bias, handle)
         finally:
             torch.ops.pagedserve_cpu.release_linear_weight(handle)
-    else:
-        out = linear(x.view(1, num_rows, 96), weight, bias)
+
+    out = run(linear)
     assert out.shape == (1, num_rows, num_out) and out.dtype == (out_dtype or dtype)
     ref = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=5e-2)  # bf16: one rounding
     torch.testing.assert_close(out[0].double(), ref, **tol)
     if out_dtype is not None and dtype == torch.bfloat16:
-        if packed:
-            handle = torch.ops.pagedserve_cpu.pack_linear_weight(weight.float() if widened else weight, 64)
-            try:
-                rounded = op_linear(x.view(1, num_rows, 96), weight, bias, handle)
-            finally:
-                torch.ops.pagedserve_cpu.release_linear_weight(handle)
-        else:
-            rounded = op_linear(x.view(1, num_rows, 96), weight, bias)
-        assert torch.equal(out.bfloat16(), rounded)
+        assert torch.equal(out.bfloat16(), run(op_linear))
     if (op == "linear" and amx_serves and torch.ops.pagedserve_cpu.amx_available()
             and num_rows <= torch.ops.pagedserve_cpu.amx_rows()):
-        assert torch.equal(out, torch.ops.pagedserve_cpu.linear_amx(x.view(1, num_rows, 96), weight, bias))
+        assert torch.equal(out, torch.ops.pagedserve_cpu.linear_amx(x.view(1, num_rows, 96), weight, bias,
+                                                                    out_dtype=out_dtype))
 
 
 @pytest.mark.parametrize("num_rows", [1, 7, 16])
