@@ -177,11 +177,6 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = weights.get("lm_head.weight", (spec.vocab_size, h)).to(device=device, dtype=dtype)
         self.packed_lm_head = (cpu_ops.PackedWeights(self, {"lm_head": self.lm_head}).handle("lm_head")
                                if use_cpu_gemv(dtype, device) else None)
-        # float32 logits where the CPU linear op computes them: it sums in float32, and a bfloat16 model's
-        # logits rounded to bfloat16 (3 significant digits) flip near-tied top tokens. On the default model,
-        # teacher-forced against float32, 1,596 positions (AMD Zen 3): top-1 agreement 99.25% against
-        # 98.12% for bfloat16 logits, mean |dlogprob| of the chosen token 0.013 against 0.019
-        self.logits_dtype = torch.float32 if self.packed_lm_head is not None else dtype
         cos, sin = rope_tables(spec, max_positions, dtype, device)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -205,6 +200,14 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin)
         return hidden if residual is None else residual + hidden
+
+    @property
+    def logits_dtype(self) -> torch.dtype:
+        """float32 where the CPU linear op computes the logits: it sums in float32, and a bfloat16 model's
+        logits rounded to bfloat16 (3 significant digits) flip near-tied top tokens. On the default model,
+        teacher-forced against float32, 1,596 positions (AMD Zen 3): top-1 agreement 99.25% against
+        98.12% for bfloat16 logits, mean |dlogprob| of the chosen token 0.013 against 0.019."""
+        return torch.float32 if self.packed_lm_head is not None else self.dtype
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] (only the rows that sample) -> logits [n, vocab] in ``logits_dtype`` (a
